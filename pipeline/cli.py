@@ -1,0 +1,131 @@
+"""`grt tokenize|train|eval|run|info|compare` — thin: parse, build, call."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from pipeline.config import RecipeError, TrackingConfig, load_recipe
+
+OVERRIDES_HELP = "recipe overrides key.sub=value (e.g. train.max_steps=100 model.n_recurrence=6)"
+
+
+def _recipe(args):
+    return load_recipe(args.recipe, args.overrides)
+
+
+def cmd_info(args) -> int:
+    from pipeline.model import model_info
+
+    cfg = _recipe(args)
+    info = model_info(cfg.model)
+    if args.json:
+        print(json.dumps(info))
+        return 0
+    print(f"{cfg.name}: {cfg.model.type} {info['shorthand']} (d={info['d_model']}, S={info['seq_len']})")
+    print(f"  unique parameters            {info['params']:>15,}  ({info['params'] / 1e6:.2f}M)")
+    print(f"  without position embeddings  {info['params_without_position']:>15,}  "
+          f"({info['params_without_position'] / 1e6:.2f}M)")
+    print(f"  block executions / forward   {info['block_executions']:>15,}")
+    print(f"  forward FLOPs/token, Eq. 1   {info['flops_per_token']:>15,}  ({info['flops_per_token'] / 1e9:.4f} G)")
+    print(f"  ... with the LM head         {info['flops_per_token_with_head']:>15,}  "
+          f"({info['flops_per_token_with_head'] / 1e9:.4f} G)")
+    return 0
+
+
+def cmd_tokenize(args) -> int:
+    from pipeline.tokenize import tokenize
+
+    tokenize(_recipe(args).data, force=args.force)
+    return 0
+
+
+def cmd_train(args) -> int:
+    from pipeline.train.trainer import train
+
+    train(_recipe(args))
+    return 0
+
+
+def cmd_eval(args) -> int:
+    from pipeline.eval.stage import evaluate
+
+    evaluate(args.run, args.overrides)
+    return 0
+
+
+def cmd_run(args) -> int:
+    """tokenize (reused when up to date) -> train (resumes) -> eval."""
+    from pipeline.eval.stage import evaluate
+    from pipeline.tokenize import tokenize
+    from pipeline.train.trainer import train
+
+    cfg = _recipe(args)
+    tokenize(cfg.data)
+    train(cfg)
+    evaluate(cfg.run_dir)
+    return 0
+
+
+def cmd_compare(args) -> int:
+    from pipeline.eval.compare import compare
+    from pipeline.tracking import resolve_uri
+
+    tracking = TrackingConfig(uri=args.tracking_uri, experiment=args.experiment)
+    table, plot = compare(args.runs, tracking, args.out)
+    print(table)
+    print(f"\nearly-exit overlay: {plot}")
+    print(f"table: {os.path.join(args.out, 'table.txt')}")
+    uri = resolve_uri(tracking.uri)
+    print(f"MLflow UI: `.venv/bin/mlflow ui --backend-store-uri {uri}` then open http://127.0.0.1:5000 "
+          f"(experiment '{tracking.experiment}')")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="grt", description="Pretraining pipeline for recurrent-depth transformers.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    def with_recipe(name, fn, help_):
+        s = sub.add_parser(name, help=help_)
+        s.add_argument("recipe", help="YAML recipe (recipes/...)")
+        s.add_argument("overrides", nargs="*", help=OVERRIDES_HELP)
+        s.set_defaults(fn=fn)
+        return s
+
+    s = with_recipe("info", cmd_info, "parameters, shorthand, block executions and FLOPs of the recipe's model")
+    s.add_argument("--json", action="store_true", help="one JSON object")
+    s = with_recipe("tokenize", cmd_tokenize, "tokenize the recipe's data sources into shards + manifest")
+    s.add_argument("--force", action="store_true", help="rebuild even when the dataset is up to date")
+    with_recipe("train", cmd_train, "train (resumes from the run folder's latest checkpoint)")
+    with_recipe("run", cmd_run, "tokenize + train + eval")
+    s = sub.add_parser("eval", help="early-exit curve and gate means of a trained run")
+    s.add_argument("run", help="run folder (runs/NAME), step folder or state.pt")
+    s.add_argument("overrides", nargs="*", help="recipe overrides, e.g. eval.max_steps=12 eval.val_tokens=131072")
+    s.set_defaults(fn=cmd_eval)
+    s = sub.add_parser("compare", help="table + early-exit overlay of evaluated runs")
+    s.add_argument("runs", nargs="*", help="MLflow run names/ids or run folders (default: all evaluated runs)")
+    s.add_argument("--tracking-uri", default=TrackingConfig.uri)
+    s.add_argument("--experiment", default=TrackingConfig.experiment)
+    s.add_argument("--out", default="runs/compare", help="folder for the overlay plot and table")
+    s.set_defaults(fn=cmd_compare)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.fn(args)
+    except RecipeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except (FileNotFoundError, FileExistsError, LookupError, ValueError) as e:
+        if os.environ.get("GRT_DEBUG"):
+            raise
+        print(f"error: {e}  (GRT_DEBUG=1 shows the traceback)", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

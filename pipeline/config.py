@@ -1,0 +1,435 @@
+"""The recipe schema: typed dataclasses, YAML in, validated once, overrides as ``a.b.c=value``.
+
+A recipe is a YAML file. ``base: other.yaml`` (relative to the file) inherits and deep-merges; command-line overrides
+``key.sub=value`` apply last. Every problem is collected and reported together (:class:`RecipeError`), and an unknown
+key names the nearest valid one.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import hashlib
+import json
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import yaml
+
+
+class RecipeError(ValueError):
+    """Every problem found in a recipe, one per line."""
+
+    def __init__(self, problems: list[str], source: str = "recipe"):
+        self.problems = problems
+        head = f"{source}: {len(problems)} problem{'s' if len(problems) != 1 else ''}"
+        super().__init__(head + "\n" + "\n".join(f"  - {p}" for p in problems))
+
+
+# ----------------------------------------------------------------------------------------------------------- schema
+# Model sections are chosen by `model.type` through the model registry (pipeline/model/registry.py), so a new
+# architecture brings its own config class; the classes below are the shared part and the two built-in models.
+
+
+@dataclass
+class ModelConfig:
+    """Fields every language model here shares."""
+
+    type: str = "grt"
+    vocab_size: int = 50257  # GPT-2 BPE
+    block_size: int = 1024  # context length S
+    d_model: int = 768
+    n_head: int = 12
+    dropout: float = 0.0
+    bias: bool = True
+
+    def validate(self) -> list[str]:
+        p = []
+        if self.d_model % self.n_head:
+            p.append(f"model.d_model={self.d_model} is not divisible by model.n_head={self.n_head}")
+        for name in ("vocab_size", "block_size", "d_model", "n_head"):
+            if getattr(self, name) <= 0:
+                p.append(f"model.{name} must be positive, got {getattr(self, name)}")
+        if not 0.0 <= self.dropout < 1.0:
+            p.append(f"model.dropout must be in [0, 1), got {self.dropout}")
+        return p
+
+
+@dataclass
+class GPTConfig(ModelConfig):
+    """Dense GPT-2 baseline (nanoGPT-equivalent)."""
+
+    type: str = "gpt"
+    n_layer: int = 12
+
+    def validate(self) -> list[str]:
+        p = super().validate()
+        if self.n_layer <= 0:
+            p.append(f"model.n_layer must be positive, got {self.n_layer}")
+        return p
+
+
+@dataclass
+class GRTConfig(ModelConfig):
+    """Gated Recurrent Transformer, shorthand ``n_prelude + n_core x n_recurrence + n_coda``."""
+
+    type: str = "grt"
+    n_prelude: int = 2
+    n_core: int = 5  # n_rec: blocks in the shared core
+    n_coda: int = 2
+    n_recurrence: int = 4  # R: maximum (and default evaluation) number of recurrence steps
+    # Ablation switches (paper Fig. 5 / Table 7). All on = full GRT.
+    reinject: bool = True  # h~ = W_proj([h + eps_x, h_pre]); off: h~ = h + eps_x
+    gate: str = "elementwise"  # elementwise: h = g*h + (1-g)*o ; none: h = o
+    state_noise: str = "every_step"  # every_step | init (once, on h^(0)) | none
+    sigma_x: float = 0.1  # paper §4: state noise
+    sigma_g: float = 0.1  # paper §4: gate noise
+    tau: float = 1.0  # paper §3.3: gate temperature
+    gate_bias_init: float = 4.0  # paper §3.3: +4 -> g ~ sigmoid(4) = 0.982 at init
+    init_state: str = "prelude"  # h^(0): prelude | zeros | noise (see pipeline/model/grt.py)
+    depth_sampling: str = "uniform"  # training depth: uniform r ~ U{1..R} (paper §3.4) | fixed (always R)
+
+    def validate(self) -> list[str]:
+        p = super().validate()
+        for name in ("n_prelude", "n_coda"):
+            if getattr(self, name) < 0:
+                p.append(f"model.{name} must be >= 0, got {getattr(self, name)}")
+        for name in ("n_core", "n_recurrence"):
+            if getattr(self, name) < 1:
+                p.append(f"model.{name} must be >= 1, got {getattr(self, name)}")
+        p += _choice("model.gate", self.gate, ["elementwise", "none"])
+        p += _choice("model.state_noise", self.state_noise, ["every_step", "init", "none"])
+        p += _choice("model.init_state", self.init_state, ["prelude", "zeros", "noise"])
+        p += _choice("model.depth_sampling", self.depth_sampling, ["uniform", "fixed"])
+        for name in ("sigma_x", "sigma_g"):
+            if getattr(self, name) < 0:
+                p.append(f"model.{name} must be >= 0, got {getattr(self, name)}")
+        if self.tau <= 0:
+            p.append(f"model.tau must be > 0, got {self.tau}")
+        return p
+
+
+@dataclass
+class SourceConfig:
+    """One input of the tokenize stage."""
+
+    kind: str = "files"  # files: paths/globs of .txt, .jsonl, .jsonl.zst ... | stdlib: the running Python's stdlib
+    paths: list[str] = field(default_factory=list)
+    text_field: str = "text"  # for JSON lines
+    max_bytes: Optional[int] = None  # stop reading this source after this many bytes of text (whole documents)
+
+    def validate(self, where: str) -> list[str]:
+        p = _choice(f"{where}.kind", self.kind, ["files", "stdlib"])
+        if self.kind == "files" and not self.paths:
+            p.append(f"{where}.paths is empty: a 'files' source needs at least one path or glob")
+        if self.max_bytes is not None and self.max_bytes <= 0:
+            p.append(f"{where}.max_bytes must be positive, got {self.max_bytes}")
+        return p
+
+
+@dataclass
+class DataConfig:
+    sources: list[SourceConfig] = field(default_factory=lambda: [SourceConfig(kind="stdlib")])
+    dataset_dir: str = "data/stdlib"  # tokenized shards + manifest.json
+    tokenizer: str = "gpt2"
+    shard_tokens: int = 1 << 24  # tokens per shard file
+    val_fraction: float = 0.01  # share of documents held out for validation
+
+    def validate(self) -> list[str]:
+        p = []
+        if not self.sources:
+            p.append("data.sources is empty: list at least one source")
+        for i, s in enumerate(self.sources):
+            p += s.validate(f"data.sources[{i}]")
+        p += _choice("data.tokenizer", self.tokenizer, ["gpt2"])
+        if self.shard_tokens < 1024:
+            p.append(f"data.shard_tokens={self.shard_tokens} is too small (minimum 1024)")
+        if not 0.0 < self.val_fraction < 1.0:
+            p.append(f"data.val_fraction must be in (0, 1), got {self.val_fraction}")
+        return p
+
+
+@dataclass
+class TrainConfig:
+    backend: str = "single"  # single (later: ddp | fsdp | deepspeed)
+    device: str = "auto"  # auto | cpu | cuda
+    dtype: str = "auto"  # autocast dtype: auto (bf16 where supported, else fp32) | float32 | bfloat16
+    micro_batch_size: int = 8
+    grad_accum_steps: int = 60  # micro-batches per optimizer step, over all ranks together
+    max_steps: int = 20000
+    lr: float = 6e-4
+    min_lr: float = 6e-5
+    warmup_steps: int = 2000
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0
+    log_interval: int = 10
+    eval_interval: int = 500
+    eval_batches: int = 20
+    checkpoint_interval: int = 1000
+    keep_checkpoints: int = 3
+    resume: str = "auto"  # auto: continue from the run folder's latest checkpoint | never
+    threads: Optional[int] = None  # torch intra-op threads on CPU (default: torch's choice)
+
+    def validate(self) -> list[str]:
+        p = _choice("train.backend", self.backend, ["single"])
+        p += _choice("train.device", self.device, ["auto", "cpu", "cuda"])
+        p += _choice("train.dtype", self.dtype, ["auto", "float32", "bfloat16"])
+        p += _choice("train.resume", self.resume, ["auto", "never"])
+        for name in ("micro_batch_size", "grad_accum_steps", "max_steps", "log_interval", "eval_interval",
+                     "eval_batches", "checkpoint_interval", "keep_checkpoints"):
+            if getattr(self, name) < 1:
+                p.append(f"train.{name} must be >= 1, got {getattr(self, name)}")
+        if self.warmup_steps < 0:
+            p.append(f"train.warmup_steps must be >= 0, got {self.warmup_steps}")
+        if self.lr <= 0 or self.min_lr < 0 or self.min_lr > self.lr:
+            p.append(f"train.lr={self.lr} / train.min_lr={self.min_lr}: need 0 <= min_lr <= lr and lr > 0")
+        if self.grad_clip < 0:
+            p.append(f"train.grad_clip must be >= 0 (0 turns clipping off), got {self.grad_clip}")
+        return p
+
+
+@dataclass
+class EvalConfig:
+    max_steps: Optional[int] = None  # R_max for the early-exit curve; default 2R (GRT). Dense: every layer.
+    val_tokens: int = 65536  # validation-token budget: the same for every run so numbers compare
+    batch_size: int = 8
+
+    def validate(self) -> list[str]:
+        p = []
+        if self.max_steps is not None and self.max_steps < 1:
+            p.append(f"eval.max_steps must be >= 1, got {self.max_steps}")
+        if self.val_tokens < 1 or self.batch_size < 1:
+            p.append("eval.val_tokens and eval.batch_size must be >= 1")
+        return p
+
+
+@dataclass
+class TrackingConfig:
+    enabled: bool = True
+    # MLflow's own default store (sqlite file in the working directory), so a plain `mlflow ui` run from the same
+    # folder lists these runs. Any tracking URI works (http://host:5000, databricks, ...).
+    uri: str = "sqlite:///mlflow.db"
+    experiment: str = "grt-pipeline"
+
+    def validate(self) -> list[str]:
+        return [] if self.uri else ["tracking.uri is empty"]
+
+
+@dataclass
+class RunConfig:
+    """The whole recipe."""
+
+    name: str = "run"
+    seed: int = 1337
+    out_dir: str = "runs"  # the run folder is out_dir/name
+    model: ModelConfig = field(default_factory=GRTConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.out_dir) / self.name
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+    def flat(self) -> dict[str, Any]:
+        """``{"model.d_model": 768, ...}``: for tracker params."""
+        out: dict[str, Any] = {}
+
+        def walk(prefix: str, obj: Any):
+            if isinstance(obj, dict):
+                for k, v in obj.items():
+                    walk(f"{prefix}.{k}" if prefix else k, v)
+            else:
+                out[prefix] = json.dumps(obj) if isinstance(obj, (list, tuple)) else obj
+
+        walk("", self.to_dict())
+        return out
+
+    def validate(self) -> list[str]:
+        p = []
+        if not self.name or "/" in self.name:
+            p.append(f"name={self.name!r} must be a non-empty folder name without '/'")
+        p += self.model.validate() + self.data.validate() + self.train.validate() + self.eval.validate()
+        p += self.tracking.validate()
+        return p
+
+
+def _choice(key: str, value: str, allowed: list[str]) -> list[str]:
+    if value in allowed:
+        return []
+    near = difflib.get_close_matches(str(value), allowed, n=1)
+    hint = f" — did you mean '{near[0]}'?" if near else ""
+    return [f"{key}={value!r} is not one of {allowed}{hint}"]
+
+
+# ------------------------------------------------------------------------------------------------ YAML -> objects
+
+
+def load_yaml_with_bases(path: str | Path, _seen: tuple = ()) -> dict:
+    """Read a recipe file, resolving ``base:`` chains (relative to the file that names them)."""
+    path = Path(path).resolve()
+    if path in _seen:
+        raise RecipeError([f"base: cycle {' -> '.join(str(s) for s in (*_seen, path))}"], str(path))
+    if not path.is_file():
+        raise RecipeError([f"recipe file not found: {path}"], str(path))
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise RecipeError([f"YAML syntax error: {e}"], str(path)) from None
+    if not isinstance(data, dict):
+        raise RecipeError(["the top level must be a mapping of sections (model:, train:, ...)"], str(path))
+    base = data.pop("base", None)
+    if base is None:
+        return data
+    bases = base if isinstance(base, list) else [base]
+    merged: dict = {}
+    for b in bases:
+        merged = deep_merge(merged, load_yaml_with_bases(path.parent / b, (*_seen, path)))
+    return deep_merge(merged, data)
+
+
+def deep_merge(a: dict, b: dict) -> dict:
+    out = dict(a)
+    for k, v in b.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = deep_merge(out[k], v)
+        else:
+            out[k] = v
+    return out
+
+
+def apply_overrides(data: dict, overrides: list[str]) -> tuple[dict, list[str]]:
+    """Apply ``a.b.c=value`` (value parsed as YAML). Returns the new dict and syntax problems."""
+    problems = []
+    data = json.loads(json.dumps(data))  # deep copy of plain data
+    for ov in overrides:
+        if "=" not in ov:
+            problems.append(f"override {ov!r} is not of the form key.sub=value")
+            continue
+        key, raw = ov.split("=", 1)
+        try:
+            value = yaml.safe_load(raw) if raw != "" else ""
+        except yaml.YAMLError:
+            value = raw
+        node = data
+        parts = key.strip().split(".")
+        for part in parts[:-1]:
+            if not isinstance(node.get(part), dict):
+                node[part] = {}
+            node = node[part]
+        node[parts[-1]] = value
+    return data, problems
+
+
+def _model_classes() -> dict[str, type]:
+    from pipeline.model.registry import MODEL_CONFIGS
+
+    return MODEL_CONFIGS
+
+
+def _build(cls: type, data: Any, where: str, problems: list[str]) -> Any:
+    """Turn plain data into dataclass ``cls``, collecting problems instead of stopping at the first."""
+    if not isinstance(data, dict):
+        problems.append(f"{where or 'recipe'} must be a mapping, got {type(data).__name__}")
+        return cls()
+    if cls is ModelConfig or (isinstance(cls, type) and issubclass(cls, ModelConfig) and where == "model"):
+        registry = _model_classes()
+        mtype = data.get("type", "grt")
+        if mtype not in registry:
+            near = difflib.get_close_matches(str(mtype), list(registry), n=1)
+            hint = f" — did you mean '{near[0]}'?" if near else ""
+            problems.append(f"model.type={mtype!r} is not a registered model {sorted(registry)}{hint}")
+            return GRTConfig()
+        cls = registry[mtype]
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in data.items():
+        full = f"{where}.{key}" if where else key
+        if key not in fields:
+            names = [f"{where}.{n}" if where else n for n in fields]
+            near = difflib.get_close_matches(full, names, n=1, cutoff=0.6)
+            hint = f" — did you mean '{near[0]}'?" if near else f" (valid keys: {', '.join(sorted(fields))})"
+            problems.append(f"unknown key '{full}'{hint}")
+            continue
+        kwargs[key] = _coerce(hints[key], value, full, problems)
+    return cls(**kwargs)
+
+
+def _coerce(tp: Any, value: Any, where: str, problems: list[str]) -> Any:
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        tp = next(a for a in args if a is not type(None))
+        origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if dataclasses.is_dataclass(tp):
+        return _build(tp, value, where, problems)
+    if origin is list:
+        if not isinstance(value, list):
+            problems.append(f"{where} must be a list, got {value!r}")
+            return []
+        return [_coerce(args[0], v, f"{where}[{i}]", problems) for i, v in enumerate(value)]
+    if tp is bool:
+        if not isinstance(value, bool):
+            problems.append(f"{where} must be true or false, got {value!r}")
+        return bool(value)
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            if isinstance(value, float) and value.is_integer():
+                return int(value)
+            problems.append(f"{where} must be an integer, got {value!r}")
+            return 0
+        return value
+    if tp is float:
+        if isinstance(value, str):  # YAML 1.1 reads 1e-3 (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            problems.append(f"{where} must be a number, got {value!r}")
+            return 0.0
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            problems.append(f"{where} must be a string, got {value!r}")
+        return str(value)
+    return value
+
+
+def from_dict(data: dict, source: str = "recipe") -> RunConfig:
+    problems: list[str] = []
+    cfg = _build(RunConfig, data, "", problems)
+    # Validate even when the structure had problems, so that the user sees everything at once; skip messages about
+    # keys already reported (their values were replaced by placeholders).
+    reported = {m.split("'")[1] if m.startswith("unknown key") else m.split(" ")[0] for m in problems}
+    problems += [m for m in cfg.validate() if not any(m.startswith(k) for k in reported)]
+    if problems:
+        raise RecipeError(problems, source)
+    return cfg
+
+
+def load_recipe(path: str | Path, overrides: list[str] | None = None) -> RunConfig:
+    """Recipe file + overrides -> validated :class:`RunConfig` (raises :class:`RecipeError` listing all problems)."""
+    data = load_yaml_with_bases(path)
+    data, problems = apply_overrides(data, list(overrides or []))
+    if problems:
+        raise RecipeError(problems, str(path))
+    return from_dict(data, str(path))
+
+
+def config_hash(obj: Any) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]

@@ -1,0 +1,1 @@
+"""Stage 3: losses per exit depth, gate statistics, plots, comparison."""

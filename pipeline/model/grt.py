@@ -1,0 +1,189 @@
+"""Gated Recurrent Transformer (paper §3): prelude once, a shared core looped R times with a projection that
+re-injects the prelude output and an elementwise gate, then coda, final LN and a tied head.
+
+Step r (Eq. 2 and §3.3):
+    h~ = W_proj([h + eps_x, h_pre])                           (Linear 2d -> d)
+    o  = core(h~)                                             (n_core pre-LN blocks, same weights every step)
+    g  = sigmoid(f_g([LN(h), LN(h_pre)]) / tau + eps_g)       (f_g: Linear 2d->d, SiLU, Linear d->d, last bias +4)
+    h  = g * h + (1 - g) * o
+eps_x, eps_g ~ N(0, sigma^2) only in training. The ablation switches (``reinject``, ``gate``, ``state_noise``) turn
+off one component each, giving the rows of the paper's Figure 5 / Table 7.
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ops import gated_update
+from pipeline.config import GRTConfig
+from pipeline.model.layers import (Block, LayerNorm, TokenEmbedding, block_flops_per_token, head_flops_per_token,
+                                   head_output, init_gpt2_weights)
+
+
+class Gate(nn.Module):
+    """f_g on [LN(h), LN(h_pre)]: 3d^2 + 2d parameters in the MLP plus 4d in the two LayerNorms."""
+
+    def __init__(self, d: int, bias_init: float, bias: bool = True):
+        super().__init__()
+        self.ln_h = LayerNorm(d, bias)
+        self.ln_pre = LayerNorm(d, bias)
+        self.fc1 = nn.Linear(2 * d, d)
+        self.fc2 = nn.Linear(d, d)
+        self.bias_init = bias_init
+
+    def reset_bias(self) -> None:
+        nn.init.constant_(self.fc2.bias, self.bias_init)  # paper §3.3: +4 -> g ~ 0.98 at init
+
+    def forward(self, h: torch.Tensor, h_pre: torch.Tensor) -> torch.Tensor:
+        x = torch.cat([self.ln_h(h), self.ln_pre(h_pre)], dim=-1)
+        return self.fc2(F.silu(self.fc1(x)))
+
+
+class RecurrentStep(nn.Module):
+    """One application of the shared core with its projection and gate. A module of its own so that activation
+    checkpointing and compilation can wrap exactly one recurrence step."""
+
+    def __init__(self, cfg: GRTConfig):
+        super().__init__()
+        self.cfg = cfg
+        d = cfg.d_model
+        self.proj = nn.Linear(2 * d, d) if cfg.reinject else None  # W_proj: 2d^2 + d
+        self.blocks = nn.ModuleList(Block(d, cfg.n_head, cfg.dropout, cfg.bias) for _ in range(cfg.n_core))
+        self.gate = Gate(d, cfg.gate_bias_init, cfg.bias) if cfg.gate == "elementwise" else None
+
+    def forward(self, h: torch.Tensor, h_pre: torch.Tensor, noise: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        cfg = self.cfg
+        x = h
+        if noise and cfg.state_noise == "every_step" and cfg.sigma_x > 0:
+            x = h + cfg.sigma_x * torch.randn_like(h)
+        o = self.proj(torch.cat([x, h_pre], dim=-1)) if self.proj is not None else x
+        for block in self.blocks:
+            o = block(o)
+        if self.gate is None:
+            return o, None
+        z = self.gate(h, h_pre)
+        return gated_update(z, h, o, cfg.tau, cfg.sigma_g if noise else 0.0)
+
+
+@dataclass
+class ExitCurve:
+    exit: list[int]  # r = 1..n
+    loss: list[float]  # loss after coda + head applied to h^(r)
+    gate_mean: list[float] | None  # mean of g^(r) over batch, positions and features
+    loss_r0: float  # coda + head applied to h^(0) (prelude only when init_state=prelude)
+
+
+class GRT(nn.Module):
+    config_class = GRTConfig
+
+    def __init__(self, cfg: GRTConfig):
+        super().__init__()
+        self.cfg = cfg
+        d = cfg.d_model
+        self.embed = TokenEmbedding(cfg.vocab_size, cfg.block_size, d, cfg.dropout)
+        self.prelude = nn.ModuleList(Block(d, cfg.n_head, cfg.dropout, cfg.bias) for _ in range(cfg.n_prelude))
+        self.recur = RecurrentStep(cfg)
+        self.coda = nn.ModuleList(Block(d, cfg.n_head, cfg.dropout, cfg.bias) for _ in range(cfg.n_coda))
+        self.ln_f = LayerNorm(d, cfg.bias)
+        self.lm_head = nn.Linear(d, cfg.vocab_size, bias=False)
+        # Residual projections scaled as in GPT-2 by the depth the residual stream actually sees at R.
+        init_gpt2_weights(self, self.block_executions(cfg))
+        if self.recur.gate is not None:
+            self.recur.gate.reset_bias()
+        self.lm_head.weight = self.embed.wte.weight  # tied head
+
+    # ------------------------------------------------------------------------------------------------ forward
+    def encode(self, idx: torch.Tensor) -> torch.Tensor:
+        """Embeddings and prelude: h_pre, the fixed anchor of every recurrence step."""
+        h = self.embed(idx)
+        for block in self.prelude:
+            h = block(h)
+        return h
+
+    def initial_state(self, h_pre: torch.Tensor, noise: bool) -> torch.Tensor:
+        # h^(0) = h_pre by default: the paper's Algorithm 1 (Appendix A) sets "h^(0) = h^(pre)", and its Figure 9
+        # reports the gate=1 model equal to the prelude-only output, which holds only if h^(0) = h_pre.
+        # 'zeros' and 'noise' (a random state, as in Geiping et al.'s recurrent-depth model) are kept for study;
+        # 'noise' is drawn in training only, so evaluation stays deterministic.
+        cfg = self.cfg
+        if cfg.init_state == "prelude":
+            h = h_pre
+        elif cfg.init_state == "zeros" or not noise:
+            h = torch.zeros_like(h_pre)
+        else:
+            h = cfg.sigma_x * torch.randn_like(h_pre)
+        if noise and cfg.state_noise == "init" and cfg.sigma_x > 0:
+            h = h + cfg.sigma_x * torch.randn_like(h)
+        return h
+
+    def decode(self, h: torch.Tensor, targets: torch.Tensor | None):
+        """Coda, final LN and the tied head applied to a recurrent state: (logits, None) without targets,
+        (None, loss) with them (the fused loss never builds the logits)."""
+        for block in self.coda:
+            h = block(h)
+        return head_output(self.lm_head, self.ln_f(h), targets)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, n_steps: int | None = None):
+        """(logits, None) without targets, (None, loss) with them. ``n_steps`` defaults to R; noise is on exactly
+        when the module is in training."""
+        n = self.cfg.n_recurrence if n_steps is None else n_steps
+        noise = self.training
+        h_pre = self.encode(idx)
+        h = self.initial_state(h_pre, noise)
+        for _ in range(n):
+            h, _ = self.recur(h, h_pre, noise)
+        return self.decode(h, targets)
+
+    @torch.no_grad()
+    def exit_losses(self, idx: torch.Tensor, targets: torch.Tensor, n_steps: int | None = None) -> dict:
+        """The early-exit curve in one pass: loss after every step r = 1..n (coda + head on each h^(r)), noise off,
+        and the gate's mean per step."""
+        n = self.cfg.n_recurrence if n_steps is None else n_steps
+        h_pre = self.encode(idx)
+        h = self.initial_state(h_pre, noise=False)
+        loss_r0 = self.decode(h, targets)[1].item()
+        losses, gates = [], []
+        for _ in range(n):
+            h, g = self.recur(h, h_pre, noise=False)
+            losses.append(self.decode(h, targets)[1].item())
+            if g is not None:
+                gates.append(g.float().mean().item())
+        return vars(ExitCurve(list(range(1, n + 1)), losses, gates or None, loss_r0))
+
+    # --------------------------------------------------------------------------------------------- accounting
+    def train_depth(self, seed: int, step: int, micro_step: int = 0) -> int:
+        """r ~ U{1..R} (paper §3.4) from a generator seeded by (seed, step, micro_step), never the global RNG: every
+        rank and every resume draws the same r."""
+        if self.cfg.depth_sampling == "fixed":
+            return self.cfg.n_recurrence
+        key = int.from_bytes(hashlib.sha256(f"depth:{seed}:{step}:{micro_step}".encode()).digest()[:8], "little")
+        gen = torch.Generator().manual_seed(key)
+        return int(torch.randint(1, self.cfg.n_recurrence + 1, (1,), generator=gen).item())
+
+    @staticmethod
+    def shorthand(cfg: GRTConfig) -> str:
+        return f"{cfg.n_prelude}+{cfg.n_core}x{cfg.n_recurrence}+{cfg.n_coda}"
+
+    @staticmethod
+    def block_executions(cfg: GRTConfig, n_steps: int | None = None) -> int:
+        n = cfg.n_recurrence if n_steps is None else n_steps
+        return cfg.n_prelude + cfg.n_core * n + cfg.n_coda
+
+    @staticmethod
+    def step_overhead_flops(cfg: GRTConfig) -> int:
+        """Per-step FLOPs per token outside the blocks: W_proj 2*(2d^2) + f_g 2*(3d^2) = 10d^2 (paper Eq. 1)."""
+        d = cfg.d_model
+        return (4 * d * d if cfg.reinject else 0) + (6 * d * d if cfg.gate == "elementwise" else 0)
+
+    @staticmethod
+    def flops_per_token(cfg: GRTConfig, n_steps: int | None = None, with_head: bool = False,
+                        seq_len: int | None = None) -> int:
+        """Paper Eq. 1: (n_pre + n_rec R + n_coda)(24d^2 + 4Sd) + R * 10d^2 (+ 2dV for the head)."""
+        n = cfg.n_recurrence if n_steps is None else n_steps
+        S = seq_len or cfg.block_size
+        f = GRT.block_executions(cfg, n) * block_flops_per_token(cfg.d_model, S) + n * GRT.step_overhead_flops(cfg)
+        return f + (head_flops_per_token(cfg.d_model, cfg.vocab_size) if with_head else 0)

@@ -1,0 +1,122 @@
+"""Transformer building blocks shared by every model here: GPT-2's pre-LN block (nanoGPT-equivalent)."""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ops import linear_cross_entropy
+
+
+class LayerNorm(nn.Module):
+    """LayerNorm with an optional bias (PyTorch's has no bias=False before 2.1 in every path)."""
+
+    def __init__(self, ndim: int, bias: bool):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(ndim))
+        self.bias = nn.Parameter(torch.zeros(ndim)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, self.weight.shape, self.weight, self.bias, 1e-5)
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, d_model: int, n_head: int, dropout: float, bias: bool):
+        super().__init__()
+        self.n_head = n_head
+        self.c_attn = nn.Linear(d_model, 3 * d_model, bias=bias)
+        self.c_proj = nn.Linear(d_model, d_model, bias=bias)
+        self.c_proj.is_residual_projection = True
+        self.dropout = dropout
+        self.resid_dropout = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        q, k, v = self.c_attn(x).split(C, dim=2)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)
+        return self.resid_dropout(self.c_proj(y))
+
+
+class MLP(nn.Module):
+    def __init__(self, d_model: int, dropout: float, bias: bool):
+        super().__init__()
+        self.c_fc = nn.Linear(d_model, 4 * d_model, bias=bias)
+        self.c_proj = nn.Linear(4 * d_model, d_model, bias=bias)
+        self.c_proj.is_residual_projection = True
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.c_proj(F.gelu(self.c_fc(x))))
+
+
+class Block(nn.Module):
+    """Pre-LN transformer block: x + attn(ln(x)), then + mlp(ln(x)). 12d^2 + 13d parameters with biases."""
+
+    def __init__(self, d_model: int, n_head: int, dropout: float = 0.0, bias: bool = True):
+        super().__init__()
+        self.ln_1 = LayerNorm(d_model, bias)
+        self.attn = CausalSelfAttention(d_model, n_head, dropout, bias)
+        self.ln_2 = LayerNorm(d_model, bias)
+        self.mlp = MLP(d_model, dropout, bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class TokenEmbedding(nn.Module):
+    """Token + learned position embeddings (GPT-2), with dropout."""
+
+    def __init__(self, vocab_size: int, block_size: int, d_model: int, dropout: float):
+        super().__init__()
+        self.wte = nn.Embedding(vocab_size, d_model)
+        self.wpe = nn.Embedding(block_size, d_model)
+        self.drop = nn.Dropout(dropout)
+        self.block_size = block_size
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        T = idx.shape[1]
+        if T > self.block_size:
+            raise ValueError(f"sequence length {T} exceeds model.block_size={self.block_size}; "
+                             f"shorten the input or raise model.block_size")
+        pos = torch.arange(T, device=idx.device)
+        return self.drop(self.wte(idx) + self.wpe(pos))
+
+
+def init_gpt2_weights(model: nn.Module, n_residual_layers: int) -> None:
+    """GPT-2 init: N(0, 0.02) for linears and embeddings, zero biases, residual projections N(0, 0.02/sqrt(2L)).
+
+    ``n_residual_layers`` is the number of block applications on the residual path (for GRT: block executions at
+    the maximum depth), as in GPT-2 where it is the number of layers.
+    """
+    std_resid = 0.02 / math.sqrt(2 * n_residual_layers)
+    for module in model.modules():
+        if isinstance(module, nn.Linear):
+            std = std_resid if getattr(module, "is_residual_projection", False) else 0.02
+            nn.init.normal_(module.weight, mean=0.0, std=std)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+
+def head_output(lm_head: nn.Linear, h: torch.Tensor, targets: torch.Tensor | None):
+    """The LM head on final-LN'd states: (logits, None) without targets; with them (None, mean next-token
+    cross-entropy in nats), fused and chunked so the full logits are never materialised (-1 targets ignored)."""
+    if targets is None:
+        return lm_head(h), None
+    return None, linear_cross_entropy(h, lm_head.weight, targets)
+
+
+def block_flops_per_token(d: int, seq_len: int) -> int:
+    """Paper Eq. 1: forward FLOPs per token of one block, 24d^2 (projections) + 4Sd (the two attention matmuls)."""
+    return 24 * d * d + 4 * seq_len * d
+
+
+def head_flops_per_token(d: int, vocab_size: int) -> int:
+    """The tied LM head: one d x V matmul, 2dV FLOPs per token."""
+    return 2 * d * vocab_size

@@ -1,0 +1,54 @@
+"""Models by ``model.type``. A new architecture is one new file plus one line here."""
+from __future__ import annotations
+
+from pipeline.config import GPTConfig, GRTConfig, ModelConfig
+
+# type -> (config class, "module:Class"). Classes are imported lazily so that reading a recipe needs no torch.
+_MODELS: dict[str, tuple[type, str]] = {
+    "gpt": (GPTConfig, "pipeline.model.gpt:GPT"),
+    "grt": (GRTConfig, "pipeline.model.grt:GRT"),
+}
+MODEL_CONFIGS: dict[str, type] = {name: cls for name, (cls, _) in _MODELS.items()}
+
+
+def model_class(model_type: str):
+    import importlib
+
+    if model_type not in _MODELS:
+        raise KeyError(f"model.type={model_type!r} is not registered; known: {sorted(_MODELS)}")
+    module, cls = _MODELS[model_type][1].split(":")
+    return getattr(importlib.import_module(module), cls)
+
+
+def build_model(cfg: ModelConfig, device=None):
+    """Instantiate the model for ``cfg`` (``device='meta'`` allocates nothing, for counting)."""
+    import torch
+
+    with torch.device(device or "cpu"):
+        return model_class(cfg.type)(cfg)
+
+
+def count_params(model) -> dict[str, int]:
+    """Unique parameters (a tied tensor counts once), total and without position embeddings."""
+    seen, total, pos = set(), 0, 0
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        total += p.numel()
+        if name.endswith("wpe.weight"):
+            pos += p.numel()
+    return {"params": total, "params_without_position": total - pos}
+
+
+def model_info(cfg: ModelConfig) -> dict:
+    """What `grt info` prints: parameters counted on the instantiated (meta) model, FLOPs from the paper's Eq. 1."""
+    cls = model_class(cfg.type)
+    info = {"type": cfg.type, "shorthand": cls.shorthand(cfg)}
+    info.update(count_params(build_model(cfg, device="meta")))
+    info["block_executions"] = cls.block_executions(cfg)
+    info["flops_per_token"] = cls.flops_per_token(cfg)
+    info["flops_per_token_with_head"] = cls.flops_per_token(cfg, with_head=True)
+    info["seq_len"] = cfg.block_size
+    info["d_model"] = cfg.d_model
+    return info

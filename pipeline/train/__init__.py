@@ -1,0 +1,1 @@
+"""Stage 2: data loader, backend, trainer loop, checkpoints."""

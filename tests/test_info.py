@@ -1,0 +1,56 @@
+"""`grt info` against the arithmetic of the paper's shapes (issue #2's reference numbers) and Eq. 1 by hand."""
+import json
+from pathlib import Path
+
+import pytest
+
+from pipeline.cli import main
+
+PAPER = Path(__file__).resolve().parents[1] / "recipes" / "paper"
+V, S = 50257, 1024
+
+# name -> (params in millions, (n_pre, n_rec, R, n_coda) or n_layer, d)
+REFERENCE = {
+    "gpt2-small": (124.44, 12, 768),
+    "gpt2-medium": (354.82, 24, 1024),
+    "gpt2-large": (774.03, 36, 1280),
+    "grt-medium-isoflop": (171.13, (2, 5, 4, 2), 1024),
+    "grt-large-isoflop": (290.30, (1, 5, 6, 5), 1280),
+    "grt-small-isoflop": (None, (1, 1, 10, 1), 768),
+    "grt-medium-isoparam": (None, (2, 20, 4, 2), 1024),
+    "grt-large-isoparam": (None, (3, 30, 6, 3), 1280),
+}
+
+
+def info(name, capsys):
+    assert main(["info", str(PAPER / f"{name}.yaml"), "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+@pytest.mark.parametrize("name", sorted(REFERENCE))
+def test_params_and_eq1_flops(name, capsys):
+    params_m, shape, d = REFERENCE[name]
+    got = info(name, capsys)
+    if isinstance(shape, int):
+        blocks, overhead, shorthand = shape, 0, f"{shape}L"
+    else:
+        p, b, R, c = shape
+        blocks, overhead, shorthand = p + b * R + c, R * 10 * d * d, f"{p}+{b}x{R}+{c}"
+    eq1 = blocks * (24 * d * d + 4 * S * d) + overhead
+    assert got["shorthand"] == shorthand
+    assert got["block_executions"] == blocks
+    assert got["flops_per_token"] == eq1
+    assert got["flops_per_token_with_head"] == eq1 + 2 * d * V
+    assert got["params"] - got["params_without_position"] == S * d
+    if params_m is not None:
+        assert abs(got["params"] / 1e6 - params_m) <= 0.01, got["params"]
+    else:  # arithmetic: embeddings, blocks 12d^2+13d, W_proj 2d^2+d, gate 3d^2+2d (+4d for its two LNs), final LN
+        p, b, R, c = shape
+        expected = V * d + S * d + (p + b + c) * (12 * d * d + 13 * d) + 2 * d * d + d + 3 * d * d + 2 * d + 4 * d
+        assert got["params"] == expected + 2 * d
+
+
+def test_gpt2_small_eq1_published_figures(capsys):
+    got = info("gpt2-small", capsys)
+    assert got["flops_per_token"] / 1e9 == pytest.approx(0.2076, abs=5e-5)
+    assert got["flops_per_token_with_head"] / 1e9 == pytest.approx(0.2848, abs=5e-5)
