@@ -74,7 +74,9 @@ def _loss_only(h, weight, targets, compute_dtype, chunk):
 
 def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
                          chunk: int | None = None) -> torch.Tensor:
-    """Mean cross-entropy (nats; fp32, or fp64 for fp64 inputs) of ``h @ weight.T`` against ``targets`` (-1 = ignored). ``h``: [..., d]."""
+    """Mean cross-entropy (nats; fp32, or fp64 for fp64 inputs) of ``h @ weight.T`` against ``targets``.
+
+    ``h``: [..., d]; ``weight``: [vocab, d]; ``targets``: [...] with -1 = ignored."""
     d = h.shape[-1]
     h2, t2 = h.reshape(-1, d), targets.reshape(-1)
     chunk = chunk or _chunk_rows(weight.shape[0], h.device)

@@ -49,9 +49,7 @@ class ModelConfig:
         p = []
         if self.d_model % self.n_head:
             p.append(f"model.d_model={self.d_model} is not divisible by model.n_head={self.n_head}")
-        for name in ("vocab_size", "block_size", "d_model", "n_head"):
-            if getattr(self, name) <= 0:
-                p.append(f"model.{name} must be positive, got {getattr(self, name)}")
+        p += _at_least(self, "model", ("vocab_size", "block_size", "d_model", "n_head"), 1)
         if not 0.0 <= self.dropout < 1.0:
             p.append(f"model.dropout must be in [0, 1), got {self.dropout}")
         return p
@@ -65,10 +63,7 @@ class GPTConfig(ModelConfig):
     n_layer: int = 12
 
     def validate(self) -> list[str]:
-        p = super().validate()
-        if self.n_layer <= 0:
-            p.append(f"model.n_layer must be positive, got {self.n_layer}")
-        return p
+        return super().validate() + _at_least(self, "model", ("n_layer",), 1)
 
 
 @dataclass
@@ -93,19 +88,13 @@ class GRTConfig(ModelConfig):
 
     def validate(self) -> list[str]:
         p = super().validate()
-        for name in ("n_prelude", "n_coda"):
-            if getattr(self, name) < 0:
-                p.append(f"model.{name} must be >= 0, got {getattr(self, name)}")
-        for name in ("n_core", "n_recurrence"):
-            if getattr(self, name) < 1:
-                p.append(f"model.{name} must be >= 1, got {getattr(self, name)}")
+        p += _at_least(self, "model", ("n_prelude", "n_coda"), 0)
+        p += _at_least(self, "model", ("n_core", "n_recurrence"), 1)
         p += _choice("model.gate", self.gate, ["elementwise", "none"])
         p += _choice("model.state_noise", self.state_noise, ["every_step", "init", "none"])
         p += _choice("model.init_state", self.init_state, ["prelude", "zeros", "noise"])
         p += _choice("model.depth_sampling", self.depth_sampling, ["uniform", "fixed"])
-        for name in ("sigma_x", "sigma_g"):
-            if getattr(self, name) < 0:
-                p.append(f"model.{name} must be >= 0, got {getattr(self, name)}")
+        p += _at_least(self, "model", ("sigma_x", "sigma_g"), 0)
         if self.tau <= 0:
             p.append(f"model.tau must be > 0, got {self.tau}")
         return p
@@ -179,12 +168,9 @@ class TrainConfig:
         p += _choice("train.device", self.device, ["auto", "cpu", "cuda"])
         p += _choice("train.dtype", self.dtype, ["auto", "float32", "bfloat16"])
         p += _choice("train.resume", self.resume, ["auto", "never"])
-        for name in ("micro_batch_size", "grad_accum_steps", "max_steps", "log_interval", "eval_interval",
-                     "eval_batches", "checkpoint_interval", "keep_checkpoints"):
-            if getattr(self, name) < 1:
-                p.append(f"train.{name} must be >= 1, got {getattr(self, name)}")
-        if self.warmup_steps < 0:
-            p.append(f"train.warmup_steps must be >= 0, got {self.warmup_steps}")
+        p += _at_least(self, "train", ("micro_batch_size", "grad_accum_steps", "max_steps", "log_interval",
+                                        "eval_interval", "eval_batches", "checkpoint_interval", "keep_checkpoints"), 1)
+        p += _at_least(self, "train", ("warmup_steps",), 0)
         if self.lr <= 0 or self.min_lr < 0 or self.min_lr > self.lr:
             p.append(f"train.lr={self.lr} / train.min_lr={self.min_lr}: need 0 <= min_lr <= lr and lr > 0")
         if self.grad_clip < 0:
@@ -263,6 +249,10 @@ class RunConfig:
         p += self.model.validate() + self.data.validate() + self.train.validate() + self.eval.validate()
         p += self.tracking.validate()
         return p
+
+
+def _at_least(obj: Any, section: str, names: tuple[str, ...], minimum: int) -> list[str]:
+    return [f"{section}.{n} must be >= {minimum}, got {getattr(obj, n)}" for n in names if getattr(obj, n) < minimum]
 
 
 def _choice(key: str, value: str, allowed: list[str]) -> list[str]:

@@ -94,4 +94,5 @@ def compare(runs: list[str], tracking: TrackingConfig, out: str | Path = "runs/c
     out.mkdir(parents=True, exist_ok=True)
     plot = plot_exit_curves(results, out / "early_exit_overlay.png", title="Compared runs")
     (out / "table.txt").write_text(table + "\n")
+    table += "".join(f"\nearly-exit plot of {r['name']}: {r['plot']}" for r in results if r.get("plot"))
     return table, plot
