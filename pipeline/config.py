@@ -104,27 +104,51 @@ class GRTConfig(ModelConfig):
 class SourceConfig:
     """One input of the tokenize stage."""
 
-    kind: str = "files"  # files: paths/globs of .txt, .jsonl, .jsonl.zst ... | stdlib: the running Python's stdlib
+    # files: paths/globs of plain text, .jsonl, .jsonl.gz, .jsonl.zst, .json.gz (JSON lines), .parquet
+    # hf: a Hugging Face dataset: a folder written by save_to_disk, or a hub name / local data folder (load_dataset)
+    # stdlib: the running Python's standard-library sources (the bundled default corpus)
+    kind: str = "files"
     paths: list[str] = field(default_factory=list)
-    text_field: str = "text"  # for JSON lines
+    text_field: str = "text"  # for JSON lines, parquet and HF rows
+    text_mode: str = "file"  # plain text files: one document per file | paragraphs (split on blank lines)
     max_bytes: Optional[int] = None  # stop reading this source after this many bytes of text (whole documents)
+    name: Optional[str] = None  # hf: hub name, local data folder, or a save_to_disk folder
+    subset: Optional[str] = None  # hf: configuration name
+    split: str = "train"  # hf: split
+    streaming: bool = True  # hf: stream rows (hub names and data folders) instead of downloading/converting first
 
     def validate(self, where: str) -> list[str]:
-        p = _choice(f"{where}.kind", self.kind, ["files", "stdlib"])
+        p = _choice(f"{where}.kind", self.kind, ["files", "hf", "stdlib"])
+        p += _choice(f"{where}.text_mode", self.text_mode, ["file", "paragraphs"])
         if self.kind == "files" and not self.paths:
             p.append(f"{where}.paths is empty: a 'files' source needs at least one path or glob")
+        if self.kind == "hf" and not self.name:
+            p.append(f"{where}.name is empty: an 'hf' source needs a dataset name or folder")
         if self.max_bytes is not None and self.max_bytes <= 0:
             p.append(f"{where}.max_bytes must be positive, got {self.max_bytes}")
         return p
 
 
 @dataclass
+class MixtureEntry:
+    dataset_dir: str = ""
+    weight: float = 1.0
+
+
+@dataclass
 class DataConfig:
     sources: list[SourceConfig] = field(default_factory=lambda: [SourceConfig(kind="stdlib")])
+    # Optional separate validation sources; when given, every document of `sources` goes to training.
+    validation_sources: list[SourceConfig] = field(default_factory=list)
     dataset_dir: str = "data/stdlib"  # tokenized shards + manifest.json
     tokenizer: str = "gpt2"
     shard_tokens: int = 1 << 24  # tokens per shard file
-    val_fraction: float = 0.01  # share of documents held out for validation
+    val_fraction: float = 0.01  # share of documents held out for validation (by content hash)
+    dedup: bool = True  # drop exact duplicate documents (after whitespace normalisation), across all sources
+    strict: bool = False  # any bad input record (malformed, empty, binary, ...) fails the job instead of being counted
+    workers: Optional[int] = None  # tokenizer processes (default: CPU count); the output does not depend on it
+    # Training on several tokenized datasets: sampled in proportion to weight. Empty: train on dataset_dir alone.
+    mixture: list[MixtureEntry] = field(default_factory=list)
 
     def validate(self) -> list[str]:
         p = []
@@ -132,11 +156,20 @@ class DataConfig:
             p.append("data.sources is empty: list at least one source")
         for i, s in enumerate(self.sources):
             p += s.validate(f"data.sources[{i}]")
+        for i, s in enumerate(self.validation_sources):
+            p += s.validate(f"data.validation_sources[{i}]")
         p += _choice("data.tokenizer", self.tokenizer, ["gpt2"])
         if self.shard_tokens < 1024:
             p.append(f"data.shard_tokens={self.shard_tokens} is too small (minimum 1024)")
         if not 0.0 < self.val_fraction < 1.0:
             p.append(f"data.val_fraction must be in (0, 1), got {self.val_fraction}")
+        if self.workers is not None and self.workers < 1:
+            p.append(f"data.workers must be >= 1, got {self.workers}")
+        for i, m in enumerate(self.mixture):
+            if not m.dataset_dir:
+                p.append(f"data.mixture[{i}].dataset_dir is empty")
+            if m.weight <= 0:
+                p.append(f"data.mixture[{i}].weight must be > 0, got {m.weight}")
         return p
 
 

@@ -9,6 +9,7 @@ from pipeline.config import DataConfig, SourceConfig
 from pipeline.tokenize import tokenize
 from pipeline.tokenize.bpe import gpt2_encoding, tokenizer_identity
 from pipeline.tokenize.stage import is_validation
+from pipeline.tokenize.worker import content_hash
 
 from conftest import SHARED_DATA
 
@@ -68,12 +69,18 @@ def test_tokenize_writes_verifiable_shards(tmp_path, corpus):
              zstandard.ZstdDecompressor().decompress((corpus / "part.jsonl.zst").read_bytes()).decode().splitlines()]
     expected = {"train": [], "val": []}
     for d in docs:
-        expected["val" if is_validation(d, 0.2) else "train"] += enc.encode_ordinary(d) + [50256]
+        expected["val" if is_validation(content_hash(d), 0.2) else "train"] += enc.encode_ordinary(d) + [50256]
     assert m["dtype"] == "uint16"
     for split in ("train", "val"):
         s = m["splits"][split]
         got = np.concatenate([np.fromfile(tmp_path / "ds" / sh["file"], dtype=np.uint16) for sh in s["shards"]])
         assert got.tolist() == expected[split]
+        # the document index: global offsets of document starts are exactly the positions after each EOT
+        flat = np.asarray(expected[split])
+        want_starts = np.concatenate([[0], np.flatnonzero(flat == 50256)[:-1] + 1])
+        got_starts = np.concatenate([np.fromfile(tmp_path / "ds" / sh["index_file"], dtype="<u4").astype(np.int64)
+                                     + i * 2048 for i, sh in enumerate(s["shards"])])
+        assert got_starts.tolist() == want_starts.tolist()
         assert s["tokens"] == len(expected[split])
         for sh in s["shards"]:
             assert hashlib.sha256((tmp_path / "ds" / sh["file"]).read_bytes()).hexdigest() == sh["sha256"]

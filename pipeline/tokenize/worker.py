@@ -1,0 +1,55 @@
+"""The work done in each tokenizer process: decode and check raw records, hash and tokenize the documents."""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import numpy as np
+
+from pipeline.tokenize.bpe import gpt2_encoding
+from pipeline.tokenize.sources import SKIP_REASONS, parse_record
+
+BLANK = -1  # a record with no document (blank JSON line): neither counted nor kept
+DOC = 0  # kinds 1.. are 1 + the index of the skip reason in SKIP_REASONS
+
+
+@dataclass
+class BatchResult:
+    kinds: np.ndarray  # int8 per record
+    hashes: np.ndarray  # uint64 per document: hash of the whitespace-normalised text (dedup and split)
+    ntokens: np.ndarray  # int64 per document, EOT included
+    nbytes: np.ndarray  # int64 per document: UTF-8 bytes of its text
+    tokens: np.ndarray  # all documents' tokens, each followed by EOT
+
+
+def content_hash(text: str) -> int:
+    """64-bit hash of the text with whitespace runs collapsed: equal for documents that differ only in spacing."""
+    norm = " ".join(text.split())
+    return int.from_bytes(hashlib.blake2b(norm.encode("utf-8", "surrogatepass"), digest_size=8).digest(), "little")
+
+
+def process_batch(records: list[tuple], text_field: str, dtype: str) -> BatchResult:
+    enc = gpt2_encoding()
+    eot = enc.eot_token
+    kinds, texts = [], []
+    for raw, fmt in records:
+        if fmt == "blank":
+            kinds.append(BLANK)
+            continue
+        text, reason = parse_record(raw, fmt, text_field)
+        if reason is not None:
+            kinds.append(1 + SKIP_REASONS.index(reason))
+            continue
+        kinds.append(DOC)
+        texts.append(text)
+    flat: list[int] = []
+    ntokens = []
+    for ids in map(enc.encode_ordinary, texts):
+        flat.extend(ids)
+        flat.append(eot)  # end-of-text after every document
+        ntokens.append(len(ids) + 1)
+    return BatchResult(kinds=np.asarray(kinds, dtype=np.int8),
+                       hashes=np.asarray([content_hash(t) for t in texts], dtype=np.uint64),
+                       ntokens=np.asarray(ntokens, dtype=np.int64),
+                       nbytes=np.asarray([len(t.encode("utf-8", "surrogatepass")) for t in texts], dtype=np.int64),
+                       tokens=np.asarray(flat, dtype=dtype))
