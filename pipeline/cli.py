@@ -37,7 +37,46 @@ def cmd_info(args) -> int:
 def cmd_tokenize(args) -> int:
     from pipeline.tokenize import tokenize
 
-    tokenize(_recipe(args).data, force=args.force)
+    tokenize(_recipe(args).data, force=args.force, strict=True if args.strict else None, workers=args.workers)
+    return 0
+
+
+def cmd_data_verify(args) -> int:
+    from pipeline.tokenize.writer import read_manifest, verify_dataset
+
+    problems = verify_dataset(args.dataset)
+    m = read_manifest(args.dataset)
+    n = sum(len(s["shards"]) for s in m["splits"].values())
+    if problems:
+        print(f"{args.dataset}: {len(problems)} problem(s) in {n} shards:", file=sys.stderr)
+        for p in problems:
+            print(f"  - {p}", file=sys.stderr)
+        return 1
+    print(f"{args.dataset}: OK — {n} shards and their document indexes match the manifest "
+          f"({sum(s['tokens'] for s in m['splits'].values()):,} tokens, sha256 checked)")
+    return 0
+
+
+def cmd_data_stats(args) -> int:
+    from pipeline.tokenize.writer import read_manifest
+
+    m = read_manifest(args.dataset)
+    if args.json:
+        print(json.dumps({k: m[k] for k in ("tokenizer", "dtype", "shard_tokens", "splits", "sources", "totals")}))
+        return 0
+    tok = m["tokenizer"]
+    print(f"{args.dataset}: {tok['name']} (vocab {tok['n_vocab']:,}, EOT {tok['eot_id']}, vocab sha256 "
+          f"{tok['vocab_hash'][:12]}), {m['dtype']}, {m['shard_tokens']:,} tokens per shard")
+    for split, s in m["splits"].items():
+        print(f"  {split:5}  {s['tokens']:>15,} tokens  {s['documents']:>12,} documents  {len(s['shards']):>5} shards")
+    t = m["totals"]
+    print(f"  kept {t['documents']:,} documents ({t['bytes'] / 1e6:,.1f} MB of text), dropped {t['duplicates']:,} "
+          f"duplicates")
+    for i, src in enumerate(m["sources"]):
+        what = src["name"] or ", ".join(src["paths"]) or src["kind"]
+        skipped = ", ".join(f"{k} {v:,}" for k, v in src["skipped"].items() if v) or "none"
+        print(f"  source {i} ({src['kind']}: {what}): {src['documents']:,} documents, {src['bytes'] / 1e6:,.1f} MB, "
+              f"{src['tokens']:,} tokens, {src['duplicates']:,} duplicates; skipped: {skipped}")
     return 0
 
 
@@ -98,6 +137,17 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true", help="one JSON object")
     s = with_recipe("tokenize", cmd_tokenize, "tokenize the recipe's data sources into shards + manifest")
     s.add_argument("--force", action="store_true", help="rebuild even when the dataset is up to date")
+    s.add_argument("--strict", action="store_true", help="fail on the first bad input record instead of counting it")
+    s.add_argument("--workers", type=int, default=None, help="tokenizer processes (default: data.workers or CPUs)")
+    data = sub.add_parser("data", help="inspect tokenized datasets").add_subparsers(dest="data_command",
+                                                                                    required=True)
+    s = data.add_parser("verify", help="recheck every shard's checksum and index against the manifest")
+    s.add_argument("dataset", help="dataset folder (data.dataset_dir)")
+    s.set_defaults(fn=cmd_data_verify)
+    s = data.add_parser("stats", help="print the manifest's numbers")
+    s.add_argument("dataset", help="dataset folder (data.dataset_dir)")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(fn=cmd_data_stats)
     with_recipe("train", cmd_train, "train (resumes from the run folder's latest checkpoint)")
     with_recipe("run", cmd_run, "tokenize + train + eval")
     s = sub.add_parser("eval", help="early-exit curve and gate means of a trained run")
@@ -120,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     except RecipeError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except (FileNotFoundError, FileExistsError, LookupError, ValueError) as e:
+    except (FileNotFoundError, FileExistsError, PermissionError, LookupError, ValueError) as e:
         if os.environ.get("GRT_DEBUG"):
             raise
         print(f"error: {e}  (GRT_DEBUG=1 shows the traceback)", file=sys.stderr)

@@ -87,7 +87,7 @@ def test_dataset_with_another_vocabulary_is_refused(tmp_path, corpus):
     recipe["model"]["vocab_size"] = 1000
     cfg = from_dict(recipe)
     tokenize(cfg.data, quiet=True)
-    with pytest.raises(ValueError, match="dataset has 50257 token ids, model.vocab_size=1000"):
+    with pytest.raises(ValueError, match="vocabulary size: dataset 50257 token ids > model.vocab_size=1000"):
         Trainer(cfg)
 
 
@@ -97,17 +97,17 @@ def test_loader_visits_every_window_once_per_epoch(tmp_path, corpus, world):
     tokenize(cfg.data, quiet=True)
     shards = TokenShards(cfg.data.dataset_dir, "train")
     loaders = [SequenceLoader(shards, 32, 2, seed=5, rank=r, world_size=world) for r in range(world)]
-    n = loaders[0].n_samples
+    n = loaders[0].n_samples[0]
     assert n == sum((a.size - 1) // 32 for a in shards.arrays)
     steps = -(-2 * n // (2 * world))  # two epochs, rounded up to whole global micro-batches
-    seen = [int(i) for _ in range(steps) for ld in loaders for i in ld.next_indices()]
+    seen = [int(i) for _ in range(steps) for ld in loaders for _k, i in ld.next_indices()]
     assert sorted(seen[:n]) == list(range(n))  # epoch 1: every window exactly once over all ranks
     assert sorted(seen[n:2 * n]) == list(range(n))  # epoch 2 too, in another order
     assert seen[:n] != seen[n:2 * n]
     # the batches hold those windows: inputs and targets shifted by one token
     ld = SequenceLoader(shards, 32, 2, seed=5)
     x, y = ld.next_batch()
-    first = SequenceLoader(shards, 32, 2, seed=5).next_indices()
+    first = [i for _k, i in SequenceLoader(shards, 32, 2, seed=5).next_indices()]
     for row, i in zip(x, first):
         s, o = shards.window_index(32)[i]
         assert row.tolist() == shards.window(int(s), int(o), 32)[:-1].tolist()

@@ -29,7 +29,7 @@ from pipeline.config import SourceConfig
 # Reasons a record is skipped (counted in the manifest; `strict` turns them into failures).
 SKIP_REASONS = ("invalid_utf8", "malformed_json", "missing_text_field", "empty", "binary")
 _CONTROL = re.compile(r"[\x00-\x08\x0e-\x1f\x7f]")
-_PARAGRAPH_BREAK = re.compile(rb"\r?\n[ \t\r\f\v]*\r?\n")
+_PARAGRAPH_BREAK = re.compile(rb"\r?\n(?:[ \t\f\v]*\r?\n)+")  # one or more blank (or whitespace-only) lines
 
 
 @dataclass

@@ -93,8 +93,12 @@ class _Job:
         state = {"version": STATE_VERSION, "fingerprint": self.fingerprint, "position": list(self.position),
                  "bytes_read": self.bytes_read, "stats": self.stats, "capped": sorted(self.capped),
                  "snapshots": self.snapshots,
-                 "writers": {s: w.snapshot(self.progress_dir) for s, w in self.writers.items()}}
+                 "writers": {s: w.snapshot(self.progress_dir, self.snapshots) for s, w in self.writers.items()}}
+        # Files of a snapshot carry its number and are written before the state file that names them; the
+        # previous snapshot's open shards are removed only once the new state is in place.
         atomic_write(self.progress_dir / "state.json", json.dumps(state).encode())
+        for old in self.progress_dir.glob(f"*.partial.{self.snapshots - 1}"):
+            old.unlink()
 
     def load_state(self) -> bool:
         path = self.progress_dir / "state.json"

@@ -71,14 +71,17 @@ class ShardWriter:
         return {"tokens": sum(s["tokens"] for s in self.shards), "documents": self.documents, "shards": self.shards}
 
     # ------------------------------------------------------------------------ resume: the open shard's contents
-    def snapshot(self, folder: Path) -> dict:
-        atomic_write(folder / f"{self.split}.partial", self._buf[:self._fill].tobytes())
-        return {"shards": self.shards, "documents": self.documents, "fill": self._fill, "starts": self._starts}
+    def snapshot(self, folder: Path, tag: int) -> dict:
+        """Save the open shard as ``{split}.partial.{tag}``; the returned dict goes into the job's state file."""
+        name = f"{self.split}.partial.{tag}"
+        atomic_write(folder / name, self._buf[:self._fill].tobytes())
+        return {"shards": self.shards, "documents": self.documents, "fill": self._fill, "starts": self._starts,
+                "partial": name}
 
     def restore(self, folder: Path, state: dict) -> None:
         self.shards, self.documents = state["shards"], state["documents"]
         self._fill, self._starts = state["fill"], list(state["starts"])
-        data = np.frombuffer((folder / f"{self.split}.partial").read_bytes(), dtype=self.dtype)
+        data = np.frombuffer((folder / state["partial"]).read_bytes(), dtype=self.dtype)
         if data.size != self._fill:
             raise ValueError(f"{folder}: the saved open shard of {self.split} has {data.size} tokens, expected "
                              f"{self._fill}; delete {folder} to start the tokenization over")

@@ -2,8 +2,8 @@
 
 A sample is a window of ``seq_len + 1`` tokens starting at a multiple of ``seq_len`` inside one shard (inputs are
 its first ``seq_len`` tokens, targets the last ``seq_len``). Each epoch visits every window once in the order of a
-permutation seeded by (seed, epoch). The loader's whole state is one global cursor (samples consumed by all ranks
-together), so a resume continues exactly where the run stopped.
+permutation seeded by (seed, epoch). The loader's state is a handful of counters over all ranks together, so a
+resume continues exactly where the run stopped.
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import torch
 
 from pipeline.tokenize.writer import read_manifest
 
-LOADER_STATE_VERSION = 1
+LOADER_STATE_VERSION = 2
 
 
 class TokenShards:
@@ -43,69 +43,91 @@ class TokenShards:
         return np.asarray(self.arrays[shard][start:start + seq_len + 1], dtype=np.int64)
 
 
-def _batch(shards: TokenShards, index: np.ndarray, rows: np.ndarray, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    data = torch.from_numpy(np.stack([shards.window(int(index[r, 0]), int(index[r, 1]), seq_len) for r in rows]))
+def _to_batch(windows: list[np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
+    data = torch.from_numpy(np.stack(windows))
     return data[:, :-1].contiguous(), data[:, 1:].contiguous()
 
 
 class SequenceLoader:
-    """Micro-batches of (inputs, targets) for one rank; every window exactly once per epoch over all ranks."""
+    """Micro-batches of (inputs, targets) for one rank from one dataset or a weighted mixture of several.
 
-    def __init__(self, shards: TokenShards, seq_len: int, micro_batch_size: int, seed: int,
-                 rank: int = 0, world_size: int = 1):
-        self.shards, self.seq_len, self.batch = shards, seq_len, micro_batch_size
+    Global sample g (counted over all ranks) is drawn from dataset k chosen by smooth weighted round-robin, so
+    each dataset's share of any run of samples is within one sample of its weight; within a dataset, windows are
+    visited without replacement in a seeded order per epoch. Every rank computes the same global sequence and
+    takes its own slice, so every window is used exactly once per epoch over all ranks.
+    """
+
+    def __init__(self, shards: TokenShards | list[TokenShards], seq_len: int, micro_batch_size: int, seed: int,
+                 rank: int = 0, world_size: int = 1, weights: list[float] | None = None):
+        self.datasets = shards if isinstance(shards, list) else [shards]
+        self.weights = [float(w) for w in (weights or [1.0] * len(self.datasets))]
+        if len(self.weights) != len(self.datasets):
+            raise ValueError(f"{len(self.datasets)} datasets but {len(self.weights)} weights")
+        self.seq_len, self.batch = seq_len, micro_batch_size
         self.seed, self.rank, self.world_size = seed, rank, world_size
-        self.index = shards.window_index(seq_len)
-        self.n_samples = len(self.index)
-        if self.n_samples < micro_batch_size * world_size:
-            raise ValueError(f"the dataset at {shards.dir} has {self.n_samples} windows of {seq_len + 1} tokens, "
-                             f"fewer than one global micro-batch ({micro_batch_size} x {world_size} ranks); "
-                             f"tokenize more text or lower train.micro_batch_size / model.block_size")
+        self.index = [d.window_index(seq_len) for d in self.datasets]
+        self.n_samples = [len(i) for i in self.index]
+        for d, n in zip(self.datasets, self.n_samples):
+            if n < 1:
+                raise ValueError(f"the dataset at {d.dir} has no window of {seq_len + 1} tokens; tokenize more text "
+                                 f"or lower model.block_size")
         self.cursor = 0  # samples consumed over all ranks
-        self._perm_epoch, self._perm = -1, None
+        self.counts = [0] * len(self.datasets)  # of which from each dataset
+        self.current = [0.0] * len(self.datasets)  # smooth weighted round-robin state
+        self._perm_key, self._perm = None, None
 
-    def _permutation(self, epoch: int) -> np.ndarray:
-        if epoch != self._perm_epoch:
-            gen = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
-            self._perm, self._perm_epoch = torch.randperm(self.n_samples, generator=gen).numpy(), epoch
-        return self._perm
+    def _row(self, k: int, j: int) -> int:
+        """Window number of the j-th sample drawn from dataset k."""
+        n = self.n_samples[k]
+        epoch = j // n
+        if self._perm_key != (k, epoch):
+            gen = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch * 7919 + k)
+            self._perm, self._perm_key = torch.randperm(n, generator=gen).numpy(), (k, epoch)
+        return int(self._perm[j % n])
 
-    def _rows(self, start: int, count: int) -> np.ndarray:
-        out = np.empty(count, dtype=np.int64)
-        for i in range(count):
-            g = start + i
-            out[i] = self._permutation(g // self.n_samples)[g % self.n_samples]
-        return out
+    def _pick(self) -> int:
+        total = sum(self.weights)
+        self.current = [c + w for c, w in zip(self.current, self.weights)]
+        k = max(range(len(self.current)), key=lambda i: self.current[i])
+        self.current[k] -= total
+        return k
+
+    def next_indices(self) -> list[tuple[int, int]]:
+        """This rank's (dataset, window) pairs for the next micro-batch; advances the global state."""
+        picks = []
+        for g in range(self.batch * self.world_size):
+            k = self._pick()
+            picks.append((k, self.counts[k]))
+            self.counts[k] += 1
+        self.cursor += self.batch * self.world_size
+        mine = picks[self.rank * self.batch:(self.rank + 1) * self.batch]
+        return [(k, self._row(k, j)) for k, j in mine]
+
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return _to_batch([self.datasets[k].window(int(self.index[k][r][0]), int(self.index[k][r][1]), self.seq_len)
+                          for k, r in self.next_indices()])
 
     @property
     def epoch(self) -> float:
-        return self.cursor / self.n_samples
-
-    def next_indices(self) -> np.ndarray:
-        """This rank's window numbers for the next micro-batch (advances the global cursor)."""
-        rows = self._rows(self.cursor + self.rank * self.batch, self.batch)
-        self.cursor += self.batch * self.world_size
-        return rows
-
-    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return _batch(self.shards, self.index, self.next_indices(), self.seq_len)
+        return self.counts[0] / self.n_samples[0]
 
     def state_dict(self) -> dict:
-        return {"version": LOADER_STATE_VERSION, "cursor": self.cursor, "seed": self.seed,
-                "n_samples": self.n_samples, "seq_len": self.seq_len}
+        return {"version": LOADER_STATE_VERSION, "cursor": self.cursor, "counts": list(self.counts),
+                "current": list(self.current), "seed": self.seed, "n_samples": list(self.n_samples),
+                "seq_len": self.seq_len, "weights": list(self.weights)}
 
     def load_state_dict(self, state: dict) -> None:
         problems = []
         if state.get("version") != LOADER_STATE_VERSION:
             problems.append(f"loader state version {state.get('version')} != {LOADER_STATE_VERSION}")
-        for key in ("seed", "n_samples", "seq_len"):
+        for key in ("seed", "n_samples", "seq_len", "weights"):
             if state.get(key) != getattr(self, key):
                 problems.append(f"{key}: checkpoint {state.get(key)} != now {getattr(self, key)}")
         if problems:
             raise ValueError("cannot resume the data loader: " + "; ".join(problems) +
-                             ". The dataset or the recipe's seed / block_size changed since the checkpoint; restore "
-                             "them or start a new run (train.resume=never).")
-        self.cursor = int(state["cursor"])
+                             ". The dataset, its mixture weights or the recipe's seed / block_size changed since the "
+                             "checkpoint; restore them or start a new run (train.resume=never).")
+        self.cursor, self.counts, self.current = int(state["cursor"]), list(state["counts"]), list(state["current"])
 
 
 def validation_batches(shards: TokenShards, seq_len: int, batch_size: int, max_tokens: int | None = None,
@@ -121,4 +143,5 @@ def validation_batches(shards: TokenShards, seq_len: int, batch_size: int, max_t
     for b, start in enumerate(range(0, n, batch_size)):
         if max_batches is not None and b >= max_batches:
             return
-        yield _batch(shards, index, np.arange(start, min(start + batch_size, n)), seq_len)
+        yield _to_batch([shards.window(int(index[r, 0]), int(index[r, 1]), seq_len)
+                         for r in range(start, min(start + batch_size, n))])

@@ -22,19 +22,27 @@ from pipeline.train.data import SequenceLoader, TokenShards, validation_batches
 from pipeline.train.optim import build_optimizer, lr_at
 
 
-def check_dataset_matches_model(manifest: dict, cfg: RunConfig) -> None:
-    """Refuse a dataset whose tokenizer cannot feed this model, naming both values."""
+def check_dataset_matches_model(manifest: dict, cfg: RunConfig, where: str = "the dataset") -> None:
+    """Refuse a dataset whose tokenizer differs from the recipe's or cannot feed this model, naming both values."""
     tok = manifest["tokenizer"]
     want = tokenizer_identity(cfg.data.tokenizer)
-    problems = []
-    if tok["vocab_hash"] != want["vocab_hash"] or tok["name"] != want["name"]:
-        problems.append(f"tokenizer: dataset {tok['name']} (vocab hash {tok['vocab_hash'][:12]}) != recipe "
-                        f"{want['name']} (vocab hash {want['vocab_hash'][:12]})")
+    problems = [f"{key}: dataset {tok.get(key)!r} != recipe's {cfg.data.tokenizer} tokenizer {want[key]!r}"
+                for key in ("name", "vocab_hash", "n_vocab", "eot_id") if tok.get(key) != want[key]]
     if tok["n_vocab"] > cfg.model.vocab_size:
-        problems.append(f"vocabulary: dataset has {tok['n_vocab']} token ids, model.vocab_size={cfg.model.vocab_size}")
+        problems.append(f"vocabulary size: dataset {tok['n_vocab']} token ids > model.vocab_size="
+                        f"{cfg.model.vocab_size}")
     if problems:
-        raise ValueError("the dataset does not fit this model: " + "; ".join(problems) +
-                         ". Re-tokenize with the recipe's tokenizer or fix model.vocab_size.")
+        raise ValueError(f"{where} does not fit this recipe: " + "; ".join(problems) +
+                         ". Re-tokenize it with the recipe's tokenizer (grt tokenize RECIPE --force) or fix "
+                         "model.vocab_size / data.tokenizer.")
+
+
+def training_datasets(cfg: RunConfig) -> tuple[list[str], list[float]]:
+    """The datasets training samples from, with weights: ``data.mixture`` or ``data.dataset_dir`` alone. The first
+    one's validation split is the run's validation set."""
+    if cfg.data.mixture:
+        return [m.dataset_dir for m in cfg.data.mixture], [m.weight for m in cfg.data.mixture]
+    return [cfg.data.dataset_dir], [1.0]
 
 
 def model_config_diff(saved: dict, now: dict) -> list[str]:
@@ -55,15 +63,16 @@ class Trainer:
         self.run_dir = cfg.run_dir
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.ckpt_dir = self.run_dir / "checkpoints"
-        self.dataset_dir = Path(cfg.data.dataset_dir)
-
-        self.train_data = TokenShards(self.dataset_dir, "train")
-        check_dataset_matches_model(self.train_data.manifest, cfg)
+        dirs, weights = training_datasets(cfg)
+        self.dataset_dir = Path(dirs[0])
+        self.train_data = [TokenShards(d, "train") for d in dirs]
+        for d, ds in zip(dirs, self.train_data):
+            check_dataset_matches_model(ds.manifest, cfg, f"the dataset at {d}")
         self.val_data = TokenShards(self.dataset_dir, "val")
         self.seq_len = cfg.model.block_size
         self.accum = tc.grad_accum_steps // self.backend.world_size
         self.loader = SequenceLoader(self.train_data, self.seq_len, tc.micro_batch_size, cfg.seed,
-                                     self.backend.rank, self.backend.world_size)
+                                     self.backend.rank, self.backend.world_size, weights)
         self.tokens_per_step = tc.micro_batch_size * tc.grad_accum_steps * self.seq_len
 
         self.model_cls = model_class(cfg.model.type)
