@@ -18,7 +18,7 @@ MANIFEST = "manifest.json"
 FORMAT_VERSION = 2
 
 
-def atomic_write(path: Path, data: bytes) -> None:
+def atomic_write(path: Path, data: bytes | memoryview) -> None:
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "wb") as f:
         f.write(data)
@@ -56,7 +56,8 @@ class ShardWriter:
     def _flush(self) -> None:
         if not self._fill:
             return
-        data = self._buf[:self._fill].astype(self.dtype.newbyteorder("<"), copy=False).tobytes()
+        # a view, not a copy: the open shard's buffer is written and hashed in place
+        data = memoryview(self._buf[:self._fill].astype(self.dtype.newbyteorder("<"), copy=False)).cast("B")
         index = np.asarray(self._starts, dtype="<u4").tobytes()
         name = f"{self.split}_{len(self.shards):06d}"
         atomic_write(self.out_dir / f"{name}.idx", index)
@@ -74,7 +75,7 @@ class ShardWriter:
     def snapshot(self, folder: Path, tag: int) -> dict:
         """Save the open shard as ``{split}.partial.{tag}``; the returned dict goes into the job's state file."""
         name = f"{self.split}.partial.{tag}"
-        atomic_write(folder / name, self._buf[:self._fill].tobytes())
+        atomic_write(folder / name, memoryview(self._buf[:self._fill]).cast("B"))
         return {"shards": self.shards, "documents": self.documents, "fill": self._fill, "starts": self._starts,
                 "partial": name}
 
