@@ -194,7 +194,7 @@ class _Job:
         self.t0 = time.time()
         total = sum(u.size or 0 for us in self.units for u in us) or None
         bar = tqdm(total=total, initial=self.bytes_read if total else 0, unit="B", unit_scale=True,
-                   desc="tokenize", disable=self.quiet, mininterval=1.0, smoothing=0.1)
+                   desc="tokenize: input read", disable=self.quiet, mininterval=1.0, smoothing=0.1)
         try:
             if self.workers == 1:
                 for batch in self.batches():
