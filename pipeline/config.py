@@ -175,7 +175,12 @@ class DataConfig:
 
 @dataclass
 class TrainConfig:
-    backend: str = "single"  # single (later: ddp | fsdp | deepspeed)
+    backend: str = "single"  # single | ddp | fsdp | deepspeed (launch the last three with torchrun)
+    zero_stage: int = 1  # deepspeed: ZeRO stage 0..3
+    deepspeed: dict = field(default_factory=dict)  # deepspeed: raw config merged over the generated one
+    activation_checkpointing: str = "none"  # none | core_step (each recurrence step) | blocks (every block)
+    collective_timeout_s: int = 600  # a rank that stops answering makes the others fail after this long
+    max_bad_steps: int = 5  # consecutive non-finite steps (skipped) before the run stops
     device: str = "auto"  # auto | cpu | cuda
     dtype: str = "auto"  # autocast dtype: auto (bf16 where supported, else fp32) | float32 | bfloat16
     micro_batch_size: int = 8
@@ -197,12 +202,16 @@ class TrainConfig:
     threads: Optional[int] = None  # torch intra-op threads on CPU (default: torch's choice)
 
     def validate(self) -> list[str]:
-        p = _choice("train.backend", self.backend, ["single"])
+        p = _choice("train.backend", self.backend, ["single", "ddp", "fsdp", "deepspeed"])
+        p += _choice("train.activation_checkpointing", self.activation_checkpointing, ["none", "core_step", "blocks"])
+        if not 0 <= self.zero_stage <= 3:
+            p.append(f"train.zero_stage must be 0..3, got {self.zero_stage}")
         p += _choice("train.device", self.device, ["auto", "cpu", "cuda"])
         p += _choice("train.dtype", self.dtype, ["auto", "float32", "bfloat16"])
         p += _choice("train.resume", self.resume, ["auto", "never"])
         p += _at_least(self, "train", ("micro_batch_size", "grad_accum_steps", "max_steps", "log_interval",
-                                        "eval_interval", "eval_batches", "checkpoint_interval", "keep_checkpoints"), 1)
+                                        "eval_interval", "eval_batches", "checkpoint_interval", "keep_checkpoints",
+                                        "collective_timeout_s", "max_bad_steps"), 1)
         p += _at_least(self, "train", ("warmup_steps",), 0)
         if self.lr <= 0 or self.min_lr < 0 or self.min_lr > self.lr:
             p.append(f"train.lr={self.lr} / train.min_lr={self.min_lr}: need 0 <= min_lr <= lr and lr > 0")
@@ -400,6 +409,11 @@ def _coerce(tp: Any, value: Any, where: str, problems: list[str]) -> Any:
         origin, args = typing.get_origin(tp), typing.get_args(tp)
     if dataclasses.is_dataclass(tp):
         return _build(tp, value, where, problems)
+    if tp is dict or origin is dict:
+        if not isinstance(value, dict):
+            problems.append(f"{where} must be a mapping, got {value!r}")
+            return {}
+        return value
     if origin is list:
         if not isinstance(value, list):
             problems.append(f"{where} must be a list, got {value!r}")

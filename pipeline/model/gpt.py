@@ -47,7 +47,7 @@ class GPT(nn.Module):
         return {"exit": list(range(1, len(losses) + 1)), "loss": losses}
 
     # ---- accounting (pure functions of the config; `grt info` and the trainer's tokens/s and FLOPs use them)
-    def train_depth(self, seed: int, step: int, micro_step: int = 0) -> None:
+    def train_depth(self, seed: int, step: int) -> None:
         return None
 
     @staticmethod

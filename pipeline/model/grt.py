@@ -155,12 +155,13 @@ class GRT(nn.Module):
         return vars(ExitCurve(list(range(1, n + 1)), losses, gates or None, loss_r0))
 
     # --------------------------------------------------------------------------------------------- accounting
-    def train_depth(self, seed: int, step: int, micro_step: int = 0) -> int:
-        """r ~ U{1..R} (paper §3.4) from a generator seeded by (seed, step, micro_step), never the global RNG: every
-        rank and every resume draws the same r."""
+    def train_depth(self, seed: int, step: int) -> int:
+        """r ~ U{1..R} per training step (paper §3.4) from a generator seeded by (seed, step), never the global RNG:
+        every rank, every micro-batch of the step and every resume use the same r (sharded backends need all ranks
+        to run the same number of steps; a world-size change keeps the same depths)."""
         if self.cfg.depth_sampling == "fixed":
             return self.cfg.n_recurrence
-        key = int.from_bytes(hashlib.sha256(f"depth:{seed}:{step}:{micro_step}".encode()).digest()[:8], "little")
+        key = int.from_bytes(hashlib.sha256(f"depth:{seed}:{step}".encode()).digest()[:8], "little")
         gen = torch.Generator().manual_seed(key)
         return int(torch.randint(1, self.cfg.n_recurrence + 1, (1,), generator=gen).item())
 

@@ -186,8 +186,12 @@ class _Job:
     def location(self, rec: Record) -> str:
         name = self.unit_names[rec.pos[:2]]
         fmt = self.units[rec.pos[0]][rec.pos[1]].fmt
-        what = {"jsonl": "line", "text": "paragraph", "parquet": "row", "hf": "row"}[fmt]
-        return f"{name}:{rec.pos[2] + 1}" if fmt == "jsonl" else f"{name} {what} {rec.pos[2] + 1}"
+        if fmt == "jsonl":
+            return f"{name}:{rec.pos[2] + 1}"
+        if fmt == "text" and self.sources[rec.pos[0]].text_mode == "file":
+            return name
+        what = {"text": "paragraph", "parquet": "row", "hf": "row"}[fmt]
+        return f"{name} {what} {rec.pos[2] + 1}"
 
     # ------------------------------------------------------------------------------------------ running
     def run(self) -> dict:

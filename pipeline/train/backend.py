@@ -1,43 +1,35 @@
-"""The seam between the trainer and how it is parallelised. ``train.backend`` picks one; each knows its rank and
-world size and wraps the model (later: DDP, FSDP2 per block, DeepSpeed ZeRO)."""
+"""The seam between the trainer and how it is parallelised. ``train.backend`` picks one of
+
+    single     one process
+    ddp        torch DistributedDataParallel
+    fsdp       FSDP2 (``fully_shard``), applied per block by :mod:`pipeline.train.parallelize`
+    deepspeed  DeepSpeed ZeRO stage ``train.zero_stage`` (0..3), config generated from the recipe
+
+Each knows its rank and world size, wraps the model and optimizer, runs backward and the optimizer step, and saves
+and loads the model + optimizer part of a checkpoint. Launch: ``torchrun`` for all of them (and the ``deepspeed``
+launcher for DeepSpeed); the process group is created from the launcher's environment.
+"""
 from __future__ import annotations
 
+import contextlib
+import datetime
+import math
+import os
+from pathlib import Path
+
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
-
-class SingleProcess:
-    """One process, one device."""
-
-    name = "single"
-    rank = 0
-    world_size = 1
-    is_main = True
-
-    def __init__(self, device: torch.device):
-        self.device = device
-
-    def wrap(self, model: nn.Module) -> nn.Module:
-        return model.to(self.device)
-
-    def reduce_mean(self, value: float) -> float:
-        return value
-
-    def barrier(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
+from pipeline.config import TrainConfig
 
 
-BACKENDS = {"single": SingleProcess}
-
-
-def pick_device(name: str) -> torch.device:
+def pick_device(name: str, local_rank: int = 0) -> torch.device:
     if name == "cuda" or (name == "auto" and torch.cuda.is_available()):
         if not torch.cuda.is_available():
             raise RuntimeError("train.device=cuda but torch sees no CUDA device; use train.device=cpu or auto")
-        return torch.device("cuda")
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
     return torch.device("cpu")
 
 
@@ -52,5 +44,264 @@ def autocast_dtype(name: str, device: torch.device) -> torch.dtype:
     return torch.float32
 
 
-def build_backend(name: str, device: torch.device):
-    return BACKENDS[name](device)
+def _global_grad_norm(params: list[torch.Tensor], max_norm: float) -> float:
+    """Clip (max_norm > 0) or just measure the global L2 norm of the gradients; works for DTensor (FSDP2) too."""
+    if max_norm > 0:
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+    else:
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+    if hasattr(norm, "full_tensor"):
+        norm = norm.full_tensor()
+    return float(norm)
+
+
+class SingleProcess:
+    """One process, one device. Also the base of the torch.distributed backends."""
+
+    name = "single"
+
+    def __init__(self, cfg: TrainConfig):
+        self.cfg = cfg
+        self.rank, self.world_size, self.local_rank = 0, 1, 0
+        self.device = pick_device(cfg.device)
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    # ---- model and optimizer
+    def setup(self, model: nn.Module, optimizer_fn) -> tuple[nn.Module, torch.optim.Optimizer]:
+        """Move/wrap the (already parallelized) model and build its optimizer."""
+        model = model.to(self.device)
+        return model, optimizer_fn(model)
+
+    def no_sync(self, model, last_micro: bool):
+        return contextlib.nullcontext()
+
+    def backward(self, model, loss: torch.Tensor, accum: int) -> None:
+        (loss / accum).backward()
+
+    def step(self, model, optimizer) -> float:
+        """Clip, step, zero; returns the gradient norm before clipping. Non-finite gradients: no step (the same
+        decision on every rank, since the norm is global)."""
+        params = [p for p in model.parameters() if p.grad is not None]
+        norm = _global_grad_norm(params, self.cfg.grad_clip)
+        if math.isfinite(norm):
+            optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return norm
+
+    def skip_step(self, model, optimizer) -> None:
+        optimizer.zero_grad(set_to_none=True)
+
+    def set_lr(self, optimizer, lr: float) -> None:
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+
+    # ---- collectives (no-ops in one process)
+    def all_true(self, flag: bool) -> bool:
+        return flag
+
+    def reduce_mean(self, value: float) -> float:
+        return value
+
+    def barrier(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    # ---- checkpoints: full (unsharded) state dicts, interchangeable between single, ddp and fsdp
+    def model_optimizer_state(self, model, optimizer) -> dict:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+        msd, osd = get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return {"model": msd, "optimizer": osd}
+
+    def save_model_optimizer(self, model, optimizer, folder: Path, state: dict) -> None:
+        """Called on every rank; rank 0 writes ``state`` (already holding the full state dicts) as one file."""
+        if self.is_main:
+            with open(folder / "state.pt", "wb") as f:
+                torch.save(state, f)
+                f.flush()
+                os.fsync(f.fileno())
+
+    def load_model_optimizer(self, model, optimizer, folder: Path, state: dict) -> None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
+                       options=StateDictOptions(full_state_dict=True))
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        return model
+
+
+class TorchDistributed(SingleProcess):
+    """Common part of DDP and FSDP: the process group from torchrun's environment."""
+
+    def __init__(self, cfg: TrainConfig):
+        if "RANK" not in os.environ:
+            raise RuntimeError(f"train.backend={cfg.backend} needs a launcher: run it under `torchrun "
+                               f"--nproc_per_node N -m pipeline.cli train RECIPE` (see README: Distributed training)")
+        self.cfg = cfg
+        self.rank, self.world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        self.local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        self.device = pick_device(cfg.device, self.local_rank)
+        if not dist.is_initialized():
+            dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo",
+                                    timeout=datetime.timedelta(seconds=cfg.collective_timeout_s),
+                                    device_id=self.device if self.device.type == "cuda" else None)
+
+    def all_true(self, flag: bool) -> bool:
+        t = torch.tensor([0.0 if flag else 1.0], device=self.device)
+        dist.all_reduce(t)
+        return t.item() == 0.0
+
+    def reduce_mean(self, value: float) -> float:
+        t = torch.tensor([value], dtype=torch.float64, device=self.device)
+        dist.all_reduce(t)
+        return t.item() / self.world_size
+
+    def barrier(self) -> None:
+        dist.barrier()
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+class DDP(TorchDistributed):
+    name = "ddp"
+
+    def setup(self, model, optimizer_fn):
+        from torch.nn.parallel import DistributedDataParallel
+
+        model = model.to(self.device)
+        ddp = DistributedDataParallel(model, device_ids=[self.local_rank] if self.device.type == "cuda" else None)
+        return ddp, optimizer_fn(model)
+
+    def no_sync(self, model, last_micro: bool):
+        return contextlib.nullcontext() if last_micro else model.no_sync()  # all-reduce once per step
+
+    def unwrap(self, model):
+        return model.module
+
+    def model_optimizer_state(self, model, optimizer) -> dict:
+        return super().model_optimizer_state(model.module, optimizer)
+
+    def load_model_optimizer(self, model, optimizer, folder, state) -> None:
+        super().load_model_optimizer(model.module, optimizer, folder, state)
+
+
+class FSDP(TorchDistributed):
+    """FSDP2: the per-block ``fully_shard`` calls happen in :func:`pipeline.train.parallelize.parallelize`."""
+
+    name = "fsdp"
+
+    def setup(self, model, optimizer_fn):
+        return model, optimizer_fn(model)
+
+    def no_sync(self, model, last_micro: bool):
+        model.set_requires_gradient_sync(last_micro)  # reduce-scatter once per step
+        return contextlib.nullcontext()
+
+    def load_model_optimizer(self, model, optimizer, folder, state) -> None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
+                       options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=False))
+
+
+class DeepSpeed(TorchDistributed):
+    """DeepSpeed ZeRO 0..3 with ``torch.optim.AdamW`` as the client optimizer. The engine does accumulation,
+    clipping and the step; checkpoints use DeepSpeed's own (sharded) format inside the step folder."""
+
+    name = "deepspeed"
+
+    def __init__(self, cfg: TrainConfig):
+        if "RANK" not in os.environ:
+            raise RuntimeError("train.backend=deepspeed needs a launcher: `torchrun --nproc_per_node N -m "
+                               "pipeline.cli train RECIPE` or `deepspeed --num_gpus N pipeline/cli.py train RECIPE`")
+        import deepspeed
+
+        self.cfg = cfg
+        self.rank, self.world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        self.local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        self.device = pick_device(cfg.device, self.local_rank)
+        if self.device.type == "cpu":
+            os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        deepspeed.init_distributed("nccl" if self.device.type == "cuda" else "gloo",
+                                   timeout=datetime.timedelta(seconds=cfg.collective_timeout_s))
+        self.engine = None
+
+    def ds_config(self, amp_dtype: torch.dtype) -> dict:
+        """The DeepSpeed config generated from the recipe; ``train.deepspeed`` is merged over it (escape hatch)."""
+        from pipeline.config import deep_merge
+
+        c = self.cfg
+        config = {
+            "train_micro_batch_size_per_gpu": c.micro_batch_size,
+            "gradient_accumulation_steps": c.grad_accum_steps // self.world_size,
+            "gradient_clipping": c.grad_clip,
+            "zero_optimization": {"stage": c.zero_stage},
+            "bf16": {"enabled": amp_dtype == torch.bfloat16},
+            "steps_per_print": 1 << 30,
+            "wall_clock_breakdown": False,
+            "zero_allow_untested_optimizer": True,
+        }
+        return deep_merge(config, c.deepspeed or {})
+
+    def setup(self, model, optimizer_fn):
+        import deepspeed
+
+        model = model.to(self.device)
+        optimizer = optimizer_fn(model)
+        self.engine, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer,
+                                                            config=self.ds_config(self.amp_dtype))
+        return self.engine, optimizer
+
+    def backward(self, model, loss, accum) -> None:
+        model.backward(loss)  # the engine scales by 1/accumulation itself
+
+    def step(self, model, optimizer) -> float:
+        model.step()
+        norm = model.get_global_grad_norm()
+        return float(norm) if norm is not None else float("nan")
+
+    def micro_step(self, model) -> None:
+        model.step()  # a no-op for the optimizer until the accumulation boundary
+
+    def skip_step(self, model, optimizer) -> None:
+        model.zero_grad()
+
+    def set_lr(self, optimizer, lr: float) -> None:
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+
+    def unwrap(self, model):
+        return model.module
+
+    def model_optimizer_state(self, model, optimizer) -> dict:
+        return {}
+
+    def save_model_optimizer(self, model, optimizer, folder: Path, state: dict) -> None:
+        model.save_checkpoint(str(folder), tag="deepspeed", save_latest=False)
+        if self.is_main:
+            with open(folder / "state.pt", "wb") as f:
+                torch.save(state, f)
+                f.flush()
+                os.fsync(f.fileno())
+
+    def load_model_optimizer(self, model, optimizer, folder, state) -> None:
+        path, _ = model.load_checkpoint(str(folder), tag="deepspeed", load_optimizer_states=True,
+                                        load_lr_scheduler_states=False)
+        if path is None:
+            raise FileNotFoundError(f"{folder}: no DeepSpeed checkpoint (tag 'deepspeed'); it was written by "
+                                    f"another backend — resume with that backend")
+
+
+BACKENDS = {"single": SingleProcess, "ddp": DDP, "fsdp": FSDP, "deepspeed": DeepSpeed}
+
+
+def build_backend(cfg: TrainConfig):
+    return BACKENDS[cfg.backend](cfg)

@@ -37,7 +37,8 @@ class ConsoleLogger(Callback):
         self._file = open(trainer.run_dir / "metrics.jsonl", "a")
         where = f"resumed at step {trainer.step}" if trainer.step else "from scratch"
         print(f"train: {trainer.cfg.name} ({trainer.info['shorthand']}, {trainer.info['params'] / 1e6:.2f}M params) "
-              f"{where} on {trainer.device} {str(trainer.amp_dtype).replace('torch.', '')}; "
+              f"{where} on {trainer.backend.name} x{trainer.backend.world_size} {trainer.device} "
+              f"{str(trainer.amp_dtype).replace('torch.', '')}; "
               f"{trainer.tokens_per_step:,} tokens/step; run folder {trainer.run_dir}", file=self.stream, flush=True)
 
     def on_step_end(self, trainer, metrics: dict) -> None:

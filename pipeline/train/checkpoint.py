@@ -1,34 +1,18 @@
 """Checkpoints: one folder per step, written to a temporary name, synced, then renamed (never half-written).
 
-``runs/NAME/checkpoints/step_00000100/{state.pt, recipe.yaml}``; the last ``keep`` are kept.
+``runs/NAME/checkpoints/step_00000100/{state.pt, recipe.yaml[, deepspeed/]}``; the last ``keep`` are kept. A job
+killed while saving leaves only the temporary folder, which is ignored: the previous checkpoint stays loadable.
 """
 from __future__ import annotations
 
 import os
-import random
 import re
 import shutil
 from pathlib import Path
 
-import numpy as np
 import torch
 
 STEP_DIR = re.compile(r"^step_(\d{8})$")
-
-
-def rng_state() -> dict:
-    state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: dict) -> None:
-    torch.set_rng_state(state["torch"])
-    np.random.set_state(state["numpy"])
-    random.setstate(state["python"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
 
 
 def _fsync_dir(path: Path) -> None:
@@ -39,17 +23,26 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def save_checkpoint(ckpt_root: Path, step: int, state: dict, recipe_yaml: str, keep: int) -> Path:
-    ckpt_root.mkdir(parents=True, exist_ok=True)
-    final = ckpt_root / f"step_{step:08d}"
-    tmp = ckpt_root / f".tmp_step_{step:08d}"
+def staging_dir(ckpt_root: Path, step: int) -> Path:
+    """The temporary folder a checkpoint is written into before it is published (rank 0 creates it)."""
+    return ckpt_root / f".tmp_step_{step:08d}"
+
+
+def prepare_staging(ckpt_root: Path, step: int) -> Path:
+    tmp = staging_dir(ckpt_root, step)
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    with open(tmp / "state.pt", "wb") as f:
-        torch.save(state, f)
-        f.flush()
-        os.fsync(f.fileno())
+    tmp.mkdir(parents=True)
+    return tmp
+
+
+def publish(ckpt_root: Path, step: int, recipe_yaml: str, keep: int) -> Path:
+    """Sync the staged folder, rename it to ``step_XXXXXXXX`` and drop all but the last ``keep``."""
+    tmp, final = staging_dir(ckpt_root, step), ckpt_root / f"step_{step:08d}"
     (tmp / "recipe.yaml").write_text(recipe_yaml)
+    for f in tmp.rglob("*"):
+        if f.is_file():
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
     _fsync_dir(tmp)
     if final.exists():
         shutil.rmtree(final)

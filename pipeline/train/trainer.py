@@ -1,11 +1,19 @@
 """A small generic trainer: build everything from the recipe, loop, call back. Checkpointing is built in because
-resume must restore what the loop owns (step, loader cursor, RNG); everything optional is a callback."""
+resume must restore what the loop owns (step, loader counters); everything optional is a callback.
+
+Randomness: the global RNG is reseeded from (seed, step, micro-batch index over all ranks) before every forward,
+so noise and dropout depend on which samples are processed, not on what happened before — after a resume, with
+activation checkpointing, or with another world size they are the same — and the recurrence depth comes from
+(seed, step) alone, so every rank runs the same number of recurrence steps (FSDP and ZeRO-3 would hang otherwise).
+"""
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import json
 import math
+import signal
 import time
 from pathlib import Path
 
@@ -15,11 +23,12 @@ from pipeline.config import RunConfig
 from pipeline.model import build_model, model_class, model_info
 from pipeline.tokenize.bpe import tokenizer_identity
 from pipeline.tracking import open_tracker
-from pipeline.train.backend import autocast_dtype, build_backend, pick_device
+from pipeline.train.backend import autocast_dtype, build_backend
 from pipeline.train.callbacks import Callback, ConsoleLogger, TrackerCallback
-from pipeline.train.checkpoint import list_checkpoints, load_checkpoint, rng_state, save_checkpoint, set_rng_state
+from pipeline.train.checkpoint import list_checkpoints, load_checkpoint, prepare_staging, publish, staging_dir
 from pipeline.train.data import SequenceLoader, TokenShards, validation_batches
 from pipeline.train.optim import build_optimizer, lr_at
+from pipeline.train.parallelize import parallelize
 
 
 def check_dataset_matches_model(manifest: dict, cfg: RunConfig, where: str = "the dataset") -> None:
@@ -50,19 +59,35 @@ def model_config_diff(saved: dict, now: dict) -> list[str]:
             for k in sorted(set(saved) | set(now)) if saved.get(k) != now.get(k)]
 
 
+def step_seed(seed: int, step: int, block: int) -> int:
+    """Seed of the noise for micro-batch ``block`` of a step, counted over all ranks (rank r's micro-step m is block
+    m * world + r, the same samples a single process sees as its micro-step m * world + r)."""
+    return int.from_bytes(hashlib.sha256(f"noise:{seed}:{step}:{block}".encode()).digest()[:8], "little")
+
+
+class BadStepsError(FloatingPointError):
+    pass
+
+
 class Trainer:
     def __init__(self, cfg: RunConfig, callbacks: list[Callback] | None = None):
         self.cfg = cfg
         tc = cfg.train
         if tc.threads:
             torch.set_num_threads(tc.threads)
-        torch.manual_seed(cfg.seed)
-        self.device = pick_device(tc.device)
-        self.backend = build_backend(tc.backend, self.device)
+        torch.manual_seed(cfg.seed)  # the initial weights: the same on every rank
+        self.backend = build_backend(tc)
+        self.device = self.backend.device
         self.amp_dtype = autocast_dtype(tc.dtype, self.device)
+        self.backend.amp_dtype = self.amp_dtype
+        if tc.grad_accum_steps % self.backend.world_size:
+            raise ValueError(f"train.grad_accum_steps={tc.grad_accum_steps} counts micro-batches over all "
+                             f"{self.backend.world_size} ranks and must be a multiple of the world size")
         self.run_dir = cfg.run_dir
-        self.run_dir.mkdir(parents=True, exist_ok=True)
         self.ckpt_dir = self.run_dir / "checkpoints"
+        if self.backend.is_main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+
         dirs, weights = training_datasets(cfg)
         self.dataset_dir = Path(dirs[0])
         self.train_data = [TokenShards(d, "train") for d in dirs]
@@ -77,28 +102,33 @@ class Trainer:
 
         self.model_cls = model_class(cfg.model.type)
         self.info = model_info(cfg.model)
-        self.raw_model = build_model(cfg.model)  # unwrapped: its methods (train_depth) stay reachable
-        self.model = self.backend.wrap(self.raw_model)
-        self.optimizer = build_optimizer(self.model, tc, self.device.type)
+        self.raw_model = build_model(cfg.model)  # unwrapped: train_depth and friends stay reachable
+        parallelize(self.raw_model, tc, self.amp_dtype, self.device)
+        self.model, self.optimizer = self.backend.setup(
+            self.raw_model, lambda m: build_optimizer(m, tc, self.device.type))
         self.step = 0
+        self.bad_steps = 0
+        self.skipped_steps = 0
         self.tracker_run_id = None
+        self._stop_requested = False
         self._resume()
-        (self.run_dir / "recipe.yaml").write_text(cfg.to_yaml())
-        self.tracker = (open_tracker(cfg.tracking, cfg.name, self.tracker_run_id, {"model.type": cfg.model.type})
-                        if self.backend.is_main else None)
-        if self.tracker is not None and self.tracker.run_id:
-            self.tracker_run_id = self.tracker.run_id
-            (self.run_dir / "run.json").write_text(json.dumps(
-                {"mlflow_run_id": self.tracker.run_id, "tracking_uri": self.tracker.uri}, indent=2))
-        self.callbacks = list(callbacks) if callbacks is not None else (
-            [ConsoleLogger(tc.log_interval)] + ([TrackerCallback(self.tracker)] if self.tracker else []))
+        self.tracker = None
+        if self.backend.is_main:
+            (self.run_dir / "recipe.yaml").write_text(cfg.to_yaml())
+            self.tracker = open_tracker(cfg.tracking, cfg.name, self.tracker_run_id, {"model.type": cfg.model.type})
+            if self.tracker.run_id:
+                self.tracker_run_id = self.tracker.run_id
+                (self.run_dir / "run.json").write_text(json.dumps(
+                    {"mlflow_run_id": self.tracker.run_id, "tracking_uri": self.tracker.uri}, indent=2))
+        if callbacks is not None:
+            self.callbacks = list(callbacks)
+        elif self.backend.is_main:
+            self.callbacks = [ConsoleLogger(tc.log_interval)] + ([TrackerCallback(self.tracker)] if self.tracker
+                                                                 else [])
+        else:
+            self.callbacks = []
 
     # ----------------------------------------------------------------------------------------------- state
-    def state_dict(self) -> dict:
-        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(), "step": self.step,
-                "loader": self.loader.state_dict(), "rng": rng_state(), "recipe": self.cfg.to_dict(),
-                "mlflow_run_id": self.tracker_run_id, "info": self.info}
-
     def _resume(self) -> None:
         found = list_checkpoints(self.ckpt_dir)
         if not found:
@@ -106,21 +136,38 @@ class Trainer:
         if self.cfg.train.resume == "never":
             raise FileExistsError(f"{self.run_dir} already has checkpoints and train.resume=never; choose another "
                                   f"name= or delete {self.ckpt_dir}")
-        state = load_checkpoint(found[-1], map_location=self.device)
+        state = load_checkpoint(found[-1], map_location="cpu")
         diff = model_config_diff(state["recipe"]["model"], dataclasses.asdict(self.cfg.model))
         if diff:
             raise ValueError(f"cannot resume {found[-1]}: the model changed since it was saved ({'; '.join(diff)}). "
                              f"Restore the recipe or start a new run under another name=")
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        saved_backend = state["recipe"]["train"]["backend"]
+        if (saved_backend == "deepspeed") != (self.cfg.train.backend == "deepspeed"):
+            raise ValueError(f"cannot resume {found[-1]}: it was written by train.backend={saved_backend} and "
+                             f"DeepSpeed checkpoints do not load into other backends (nor the reverse); resume "
+                             f"with train.backend={saved_backend}")
+        self.backend.load_model_optimizer(self.model, self.optimizer, found[-1], state)
         self.loader.load_state_dict(state["loader"])
-        set_rng_state(state["rng"])
         self.step = state["step"]
+        self.skipped_steps = state.get("skipped_steps", 0)
         self.tracker_run_id = state.get("mlflow_run_id")
 
     def save(self) -> Path:
-        path = save_checkpoint(self.ckpt_dir, self.step, self.state_dict(), self.cfg.to_yaml(),
-                               self.cfg.train.keep_checkpoints)
+        """Every rank takes part (sharded states are gathered); rank 0 publishes the folder atomically."""
+        if self.backend.is_main:
+            prepare_staging(self.ckpt_dir, self.step)
+        self.backend.barrier()
+        tmp = staging_dir(self.ckpt_dir, self.step)
+        state = {"step": self.step, "loader": self.loader.state_dict(), "recipe": self.cfg.to_dict(),
+                 "mlflow_run_id": self.tracker_run_id, "info": self.info, "skipped_steps": self.skipped_steps,
+                 "world_size": self.backend.world_size,
+                 **self.backend.model_optimizer_state(self.model, self.optimizer)}
+        self.backend.save_model_optimizer(self.model, self.optimizer, tmp, state)
+        self.backend.barrier()
+        path = self.ckpt_dir / f"step_{self.step:08d}"
+        if self.backend.is_main:
+            path = publish(self.ckpt_dir, self.step, self.cfg.to_yaml(), self.cfg.train.keep_checkpoints)
+        self.backend.barrier()
         for cb in self.callbacks:
             cb.on_checkpoint(self, path)
         return path
@@ -133,7 +180,8 @@ class Trainer:
 
     @torch.no_grad()
     def validate(self) -> dict:
-        """Mean validation loss at the evaluation depth (R for GRT), noise off."""
+        """Mean validation loss at the evaluation depth (R for GRT), noise off. Every rank runs the same batches
+        (sharded models need all ranks in every forward)."""
         self.model.eval()
         total, count = 0.0, 0
         for x, y in validation_batches(self.val_data, self.seq_len, self.cfg.train.micro_batch_size,
@@ -148,29 +196,41 @@ class Trainer:
                 "val_depth": depth}
 
     def train_step(self) -> dict:
-        tc = self.cfg.train
+        tc, be = self.cfg.train, self.backend
         t0 = time.perf_counter()
         lr = lr_at(self.step, tc)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        loss_sum, depths = 0.0, []
+        be.set_lr(self.optimizer, lr)
+        loss_sum, depths, finite = 0.0, [], True
+        depth = self.raw_model.train_depth(self.cfg.seed, self.step)
         for micro in range(self.accum):
             x, y = self.loader.next_batch()
             x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
-            depth = self.raw_model.train_depth(self.cfg.seed, self.step, micro)
             if depth is not None:
                 depths.append(depth)
-            with self.autocast():
+            torch.manual_seed(step_seed(self.cfg.seed, self.step, micro * be.world_size + be.rank))
+            last = micro == self.accum - 1
+            with be.no_sync(self.model, last), self.autocast():
                 _, loss = self.model(x, y, n_steps=depth)
-            (loss / self.accum).backward()
-            loss_sum += loss.item()
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        if tc.grad_clip > 0:
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, tc.grad_clip).item()
+            ok = be.all_true(bool(torch.isfinite(loss)))  # every rank takes the same decision
+            if not ok and be.name == "deepspeed":
+                last_ckpt = list_checkpoints(self.ckpt_dir)
+                raise BadStepsError(f"non-finite loss at step {self.step + 1}: DeepSpeed's engine cannot skip a "
+                                    f"step inside its accumulation window, so the run stops here. Last good "
+                                    f"checkpoint: {last_ckpt[-1] if last_ckpt else 'none'}")
+            finite = finite and ok
+            if ok:
+                with be.no_sync(self.model, last):
+                    be.backward(self.model, loss, self.accum)
+                if be.name == "deepspeed" and not last:
+                    be.micro_step(self.model)
+            loss_sum += loss.item() if ok else float("nan")
+        if finite:
+            grad_norm = be.step(self.model, self.optimizer)  # non-finite norms: the torch backends skip below
+            finite = math.isfinite(grad_norm) or be.name == "deepspeed"
         else:
-            grad_norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params])).item()
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+            grad_norm = float("nan")
+        if not finite:
+            be.skip_step(self.model, self.optimizer)
         self.step += 1
         if self.device.type == "cuda":
             torch.cuda.synchronize()
@@ -178,31 +238,51 @@ class Trainer:
         mean_depth = sum(depths) / len(depths) if depths else None
         flops = (sum(self.model_cls.flops_per_token(self.cfg.model, d, with_head=True) for d in depths) / len(depths)
                  if depths else self.model_cls.flops_per_token(self.cfg.model, with_head=True))
-        return {"step": self.step, "loss": self.backend.reduce_mean(loss_sum / self.accum), "grad_norm": grad_norm,
+        return {"step": self.step, "loss": be.reduce_mean(loss_sum / self.accum), "grad_norm": grad_norm,
                 "lr": lr, "depth": mean_depth, "tokens_per_s": self.tokens_per_step / dt, "step_time_s": dt,
                 "flops_per_token": flops, "tokens_seen": self.step * self.tokens_per_step, "epoch": self.loader.epoch,
+                "finite": finite,
                 "mem_gb": torch.cuda.max_memory_allocated() / 2**30 if self.device.type == "cuda" else None}
+
+    def _on_sigterm(self, signum, frame) -> None:
+        self._stop_requested = True
 
     def fit(self) -> dict:
         tc = self.cfg.train
         for cb in self.callbacks:
             cb.on_train_start(self)
         status, last_eval = "FAILED", None
+        previous = signal.signal(signal.SIGTERM, self._on_sigterm)
         try:
             self.model.train()
             while self.step < tc.max_steps:
                 metrics = self.train_step()
-                if not math.isfinite(metrics["loss"]):
-                    raise FloatingPointError(f"loss is {metrics['loss']} at step {self.step}; lower train.lr or "
-                                             f"resume from the last checkpoint in {self.ckpt_dir}")
+                if not metrics["finite"]:
+                    self.bad_steps += 1
+                    self.skipped_steps += 1
+                    if self.bad_steps >= tc.max_bad_steps:
+                        last = list_checkpoints(self.ckpt_dir)
+                        raise BadStepsError(
+                            f"{self.bad_steps} non-finite steps in a row (the last at step {self.step}), each "
+                            f"skipped; stopping. Last good checkpoint: {last[-1] if last else 'none'}. Lower "
+                            f"train.lr or check the data, then resume.")
+                else:
+                    self.bad_steps = 0
+                metrics["skipped_steps"] = self.skipped_steps
                 for cb in self.callbacks:
                     cb.on_step_end(self, metrics)
                 if self.step % tc.eval_interval == 0 or self.step == tc.max_steps:
                     last_eval = self.validate()
                     for cb in self.callbacks:
                         cb.on_eval(self, last_eval)
-                if self.step % tc.checkpoint_interval == 0 or self.step == tc.max_steps:
+                stop = self.backend.all_true(not self._stop_requested) is False
+                if self.step % tc.checkpoint_interval == 0 or self.step == tc.max_steps or stop:
                     self.save()
+                if stop:
+                    status = "KILLED"
+                    if self.backend.is_main:
+                        print(f"SIGTERM: saved step {self.step} to {self.ckpt_dir}; resume with the same command")
+                    return last_eval or {"step": self.step}
             if last_eval is None:  # resumed at max_steps: report the final loss anyway
                 last_eval = self.validate()
             status = "FINISHED"
@@ -211,6 +291,7 @@ class Trainer:
             status = "KILLED"
             raise
         finally:
+            signal.signal(signal.SIGTERM, previous)
             for cb in self.callbacks:
                 cb.on_train_end(self, status)
             if self.tracker is not None:

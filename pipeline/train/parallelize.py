@@ -1,0 +1,68 @@
+"""Parallelism applied to a built model from the outside (the model files know nothing of it): activation
+checkpointing and FSDP2 sharding, per block. The recurrent core is checkpointed per recurrence step and its blocks
+stay gathered through the forward (``reshard_after_forward=False``), so the looped core is all-gathered once per
+forward, not once per recurrence step."""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+from torch.utils.checkpoint import checkpoint
+
+from pipeline.config import TrainConfig
+
+
+def checkpoint_module(module: nn.Module) -> None:
+    """Recompute ``module``'s forward in backward instead of storing its activations. Non-reentrant checkpointing
+    restores the RNG state before recomputing, so the recomputation draws the same noise as the forward. The
+    module keeps its name and parameters (checkpoints stay interchangeable)."""
+    inner = module.forward
+
+    def forward(*args, **kwargs):
+        if not torch.is_grad_enabled():
+            return inner(*args, **kwargs)
+        return checkpoint(inner, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
+
+    module.forward = forward
+
+
+def blocks_of(model: nn.Module) -> dict[str, list[nn.Module]]:
+    """The model's blocks by role; GPT has only ``layers``."""
+    if hasattr(model, "recur"):
+        return {"prelude": list(model.prelude), "core": list(model.recur.blocks), "coda": list(model.coda)}
+    return {"layers": list(model.blocks)}
+
+
+def apply_activation_checkpointing(model: nn.Module, mode: str) -> None:
+    if mode == "none":
+        return
+    if mode == "core_step":
+        if not hasattr(model, "recur"):
+            raise ValueError("train.activation_checkpointing=core_step needs a recurrent model; use 'blocks' for "
+                             f"model.type={getattr(model.cfg, 'type', '?')}")
+        checkpoint_module(model.recur)  # W_proj + core + gate: one recurrence step
+        return
+    for blocks in blocks_of(model).values():
+        for block in blocks:
+            checkpoint_module(block)
+
+
+def apply_fsdp(model: nn.Module, amp_dtype: torch.dtype) -> None:
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mp = MixedPrecisionPolicy(param_dtype=amp_dtype if amp_dtype != torch.float32 else None,
+                              reduce_dtype=torch.float32)
+    for role, blocks in blocks_of(model).items():
+        for block in blocks:
+            # the shared core runs R times per forward: keep it gathered between its calls
+            fully_shard(block, mp_policy=mp, reshard_after_forward=role != "core")
+    if hasattr(model, "recur"):
+        fully_shard(model.recur, mp_policy=mp, reshard_after_forward=False)  # W_proj and the gate
+    fully_shard(model, mp_policy=mp)  # embeddings, tied head, final LN
+
+
+def parallelize(model: nn.Module, cfg: TrainConfig, amp_dtype: torch.dtype, device: torch.device) -> nn.Module:
+    model.to(device)
+    apply_activation_checkpointing(model, cfg.activation_checkpointing)
+    if cfg.backend == "fsdp":
+        apply_fsdp(model, amp_dtype)
+    return model
