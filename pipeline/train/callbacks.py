@@ -43,6 +43,7 @@ class ConsoleLogger(Callback):
 
     def on_step_end(self, trainer, metrics: dict) -> None:
         self._file.write(json.dumps(metrics) + "\n")
+        self._file.flush()  # a killed job keeps every logged step
         if metrics["step"] % self.log_interval == 0 or metrics["step"] == trainer.cfg.train.max_steps:
             print(format_step_line(metrics, trainer.cfg.train.max_steps), file=self.stream, flush=True)
 

@@ -13,6 +13,7 @@ import dataclasses
 import hashlib
 import json
 import math
+import os
 import signal
 import time
 from pathlib import Path
@@ -63,6 +64,11 @@ def step_seed(seed: int, step: int, block: int) -> int:
     """Seed of the noise for micro-batch ``block`` of a step, counted over all ranks (rank r's micro-step m is block
     m * world + r, the same samples a single process sees as its micro-step m * world + r)."""
     return int.from_bytes(hashlib.sha256(f"noise:{seed}:{step}:{block}".encode()).digest()[:8], "little")
+
+
+# Testing hooks: every rank (or only GRT_FAULT_KILL_RANK) SIGKILLs itself right after logging this step.
+FAULT_KILL_AT_STEP = int(os.environ.get("GRT_FAULT_KILL_AT_STEP", "0") or 0)
+FAULT_KILL_RANK = int(os.environ["GRT_FAULT_KILL_RANK"]) if os.environ.get("GRT_FAULT_KILL_RANK") else None
 
 
 class BadStepsError(FloatingPointError):
@@ -271,6 +277,8 @@ class Trainer:
                 metrics["skipped_steps"] = self.skipped_steps
                 for cb in self.callbacks:
                     cb.on_step_end(self, metrics)
+                if self.step == FAULT_KILL_AT_STEP and FAULT_KILL_RANK in (None, self.backend.rank):
+                    os.kill(os.getpid(), signal.SIGKILL)  # fault injection for the tests: die like `kill -9`
                 if self.step % tc.eval_interval == 0 or self.step == tc.max_steps:
                     last_eval = self.validate()
                     for cb in self.callbacks:
