@@ -9,18 +9,14 @@ the ratios compare arms measured in the same run.
 """
 from __future__ import annotations
 
-import os
-import sys
-
-# This file shares its name with the standard library's `tokenize`; keep its folder off the import path (Python puts
-# it first) so that `import tokenize` inside numpy/inspect finds the real module. The repo root goes there instead.
-_HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = [os.path.dirname(_HERE)] + [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
+import _bootstrap  # noqa: F401  (first: keeps this file from shadowing the standard library's tokenize)
 
 import argparse
 import io
 import json
+import os
 import shutil
+import sys
 import tempfile
 import time
 from pathlib import Path

@@ -124,6 +124,7 @@ def cmd_compare(args) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="grt", description="Pretraining pipeline for recurrent-depth transformers.")
+    p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)  # deepspeed launcher
     sub = p.add_subparsers(dest="command", required=True)
 
     def with_recipe(name, fn, help_):
