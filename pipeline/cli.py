@@ -171,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     except RecipeError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except (FileNotFoundError, FileExistsError, PermissionError, LookupError, ValueError) as e:
+    except (FileNotFoundError, FileExistsError, PermissionError, LookupError, ValueError, FloatingPointError) as e:
         if os.environ.get("GRT_DEBUG"):
             raise
         print(f"error: {e}  (GRT_DEBUG=1 shows the traceback)", file=sys.stderr)

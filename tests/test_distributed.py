@@ -148,3 +148,42 @@ def test_a_dying_rank_stops_the_other_with_a_clear_error(setup):
     out = p.stdout + p.stderr
     assert "Signal 9 (SIGKILL) received by PID" in out, out[-3000:]  # the launcher names the rank that died
     assert max(step_losses(tmp / "runs" / "dying")) == 3
+
+
+def test_a_kill_during_a_checkpoint_save_leaves_the_previous_one_loadable(setup, uninterrupted):
+    tmp, recipe = setup
+    name = "killed-in-save"
+    run_dir = tmp / "runs" / name
+    p = subprocess.run(command("single", recipe, name), cwd=REPO, env=dict(env(), GRT_FAULT_KILL_IN_SAVE="16"),
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode != 0
+    ckpts = sorted(q.name for q in (run_dir / "checkpoints").iterdir())
+    assert ckpts == [".tmp_step_00000016", "step_00000008"]  # the half-saved one never got its final name
+    run("single", recipe, name)  # resumes from step 8
+    resumed = step_losses(run_dir)
+    for step in range(CKPT_EVERY + 1, STEPS + 1):
+        assert resumed[step] == uninterrupted["single"][step]
+
+
+def test_non_finite_steps_are_skipped_then_the_run_stops(setup):
+    tmp, recipe = setup
+    name = "nan"
+    p = subprocess.run(command("ddp", recipe, name) + ["train.max_bad_steps=3"], cwd=REPO,
+                       env=dict(env(), GRT_FAULT_NAN_STEPS="5,12,13,14"), capture_output=True, text=True,
+                       timeout=300)
+    rows = [json.loads(line) for line in (tmp / "runs" / name / "metrics.jsonl").read_text().splitlines()
+            if '"loss"' in line]
+    by_step = {r["step"]: r for r in rows}
+    assert not by_step[5]["finite"] and by_step[6]["finite"] and by_step[6]["skipped_steps"] == 1  # skipped, on
+    assert max(by_step) == 14 and p.returncode != 0  # the third non-finite step in a row stops the run
+    assert "3 non-finite steps in a row (the last at step 14)" in p.stderr
+    assert "Last good checkpoint: " in p.stderr and "step_00000008" in p.stderr
+
+
+def test_eval_reads_checkpoints_of_every_backend(setup, uninterrupted):
+    from pipeline.eval.stage import evaluate
+
+    tmp, _ = setup
+    losses = {b: evaluate(tmp / "runs" / f"full-{b}", quiet=True)["loss"] for b in ("single", "fsdp", "zero3")}
+    for b in ("fsdp", "zero3"):  # the same weights (to reduction order), read from a full or a sharded checkpoint
+        assert losses[b] == pytest.approx(losses["single"], rel=1e-4)

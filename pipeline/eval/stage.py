@@ -29,8 +29,26 @@ def load_trained(path: str | Path, overrides: list[str] | None = None, device: s
         raise ValueError("; ".join(problems))
     dev = pick_device(device)
     model = build_model(cfg.model)
-    model.load_state_dict(state["model"])
+    model.load_state_dict(model_weights(ckpt, state))
     return model.to(dev).eval(), cfg, state, ckpt
+
+
+def model_weights(ckpt: Path, state: dict) -> dict:
+    """The full model state dict of a checkpoint: stored as is (single, ddp, fsdp), or consolidated from the
+    DeepSpeed ZeRO shards in the step folder."""
+    if "model" in state:
+        return state["model"]
+    if (ckpt.parent / "deepspeed").is_dir():
+        import logging
+
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+        weights = get_fp32_state_dict_from_zero_checkpoint(str(ckpt.parent), tag="deepspeed")
+        if "lm_head.weight" not in weights and "embed.wte.weight" in weights:
+            weights["lm_head.weight"] = weights["embed.wte.weight"]  # tied: DeepSpeed stores it once
+        return weights
+    raise ValueError(f"{ckpt} holds no model weights and no DeepSpeed shards beside it")
 
 
 def run_dir_of(ckpt: Path) -> Path:

@@ -14,13 +14,16 @@ class Callback:
 
 
 def format_step_line(m: dict, max_steps: int) -> str:
-    """One fixed-format line: step | loss | grad_norm | lr | r | tok/s | mem."""
+    """One fixed-format line: step | loss | grad_norm | lr | r | tok/s | flops/tok | mfu | mem."""
     parts = [f"step {m['step']:>{len(str(max_steps))}}/{max_steps}", f"loss {m['loss']:.4f}",
              f"grad_norm {m['grad_norm']:.3f}", f"lr {m['lr']:.2e}"]
     if m.get("depth") is not None:
         parts.append(f"r {m['depth']:.2f}")
     parts.append(f"tok/s {m['tokens_per_s']:,.0f}")
     parts.append(f"flops/tok {m['flops_per_token'] / 1e6:,.1f}M")
+    parts.append(f"mfu {100 * m['mfu']:.1f}%" if m.get("mfu") is not None else "mfu n/a")
+    if m.get("skipped_steps"):
+        parts.append(f"skipped {m['skipped_steps']}")
     if m.get("mem_gb") is not None:
         parts.append(f"mem {m['mem_gb']:.2f}GB")
     return " | ".join(parts)
@@ -64,7 +67,8 @@ class ConsoleLogger(Callback):
 class TrackerCallback(Callback):
     """Sends params (the flattened recipe and the model's figures), metrics and artifacts to the tracker."""
 
-    STEP_KEYS = ("loss", "grad_norm", "lr", "depth", "tokens_per_s", "flops_per_token", "tokens_seen", "mem_gb")
+    STEP_KEYS = ("loss", "grad_norm", "lr", "depth", "tokens_per_s", "flops_per_token", "tokens_seen", "mem_gb",
+                 "mfu", "skipped_steps")
 
     def __init__(self, tracker):
         self.tracker = tracker

@@ -69,6 +69,21 @@ def step_seed(seed: int, step: int, block: int) -> int:
 # Testing hooks: every rank (or only GRT_FAULT_KILL_RANK) SIGKILLs itself right after logging this step.
 FAULT_KILL_AT_STEP = int(os.environ.get("GRT_FAULT_KILL_AT_STEP", "0") or 0)
 FAULT_KILL_RANK = int(os.environ["GRT_FAULT_KILL_RANK"]) if os.environ.get("GRT_FAULT_KILL_RANK") else None
+# ... or while saving the checkpoint of this step (its files written, not yet published)
+FAULT_KILL_IN_SAVE = int(os.environ.get("GRT_FAULT_KILL_IN_SAVE", "0") or 0)
+# ... or make the loss of these steps NaN (comma-separated), to exercise the non-finite path
+FAULT_NAN_STEPS = {int(x) for x in os.environ.get("GRT_FAULT_NAN_STEPS", "").split(",") if x.strip()}
+
+# Peak dense bf16 tensor throughput per device, FLOP/s, for MFU (vendor figures, without sparsity).
+PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12, "L4": 121e12,
+              "V100": 125e12, "RTX 4090": 165e12, "RTX 3090": 71e12}
+
+
+def device_peak_flops(device: torch.device) -> float | None:
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((v for k, v in PEAK_FLOPS.items() if k in name), None)
 
 
 class BadStepsError(FloatingPointError):
@@ -169,6 +184,8 @@ class Trainer:
                  "world_size": self.backend.world_size,
                  **self.backend.model_optimizer_state(self.model, self.optimizer)}
         self.backend.save_model_optimizer(self.model, self.optimizer, tmp, state)
+        if self.step == FAULT_KILL_IN_SAVE:
+            os.kill(os.getpid(), signal.SIGKILL)
         self.backend.barrier()
         path = self.ckpt_dir / f"step_{self.step:08d}"
         if self.backend.is_main:
@@ -217,6 +234,8 @@ class Trainer:
             last = micro == self.accum - 1
             with be.no_sync(self.model, last), self.autocast():
                 _, loss = self.model(x, y, n_steps=depth)
+            if self.step + 1 in FAULT_NAN_STEPS:
+                loss = loss * float("nan")
             ok = be.all_true(bool(torch.isfinite(loss)))  # every rank takes the same decision
             if not ok and be.name == "deepspeed":
                 last_ckpt = list_checkpoints(self.ckpt_dir)
@@ -244,8 +263,12 @@ class Trainer:
         mean_depth = sum(depths) / len(depths) if depths else None
         flops = (sum(self.model_cls.flops_per_token(self.cfg.model, d, with_head=True) for d in depths) / len(depths)
                  if depths else self.model_cls.flops_per_token(self.cfg.model, with_head=True))
+        peak = device_peak_flops(self.device)
+        # model FLOPs utilisation: forward + backward = 3x the forward FLOPs, over the peak of all devices
+        mfu = 3 * flops * self.tokens_per_step / dt / (peak * be.world_size) if peak else None
         return {"step": self.step, "loss": be.reduce_mean(loss_sum / self.accum), "grad_norm": grad_norm,
                 "lr": lr, "depth": mean_depth, "tokens_per_s": self.tokens_per_step / dt, "step_time_s": dt,
+                "mfu": mfu,
                 "flops_per_token": flops, "tokens_seen": self.step * self.tokens_per_step, "epoch": self.loader.epoch,
                 "finite": finite,
                 "mem_gb": torch.cuda.max_memory_allocated() / 2**30 if self.device.type == "cuda" else None}
@@ -263,20 +286,20 @@ class Trainer:
             self.model.train()
             while self.step < tc.max_steps:
                 metrics = self.train_step()
-                if not metrics["finite"]:
+                if metrics["finite"]:
+                    self.bad_steps = 0
+                else:
                     self.bad_steps += 1
                     self.skipped_steps += 1
-                    if self.bad_steps >= tc.max_bad_steps:
-                        last = list_checkpoints(self.ckpt_dir)
-                        raise BadStepsError(
-                            f"{self.bad_steps} non-finite steps in a row (the last at step {self.step}), each "
-                            f"skipped; stopping. Last good checkpoint: {last[-1] if last else 'none'}. Lower "
-                            f"train.lr or check the data, then resume.")
-                else:
-                    self.bad_steps = 0
                 metrics["skipped_steps"] = self.skipped_steps
                 for cb in self.callbacks:
                     cb.on_step_end(self, metrics)
+                if self.bad_steps >= tc.max_bad_steps:
+                    last = list_checkpoints(self.ckpt_dir)
+                    raise BadStepsError(
+                        f"{self.bad_steps} non-finite steps in a row (the last at step {self.step}), each "
+                        f"skipped; stopping. Last good checkpoint: {last[-1] if last else 'none'}. Lower "
+                        f"train.lr or check the data, then resume.")
                 if self.step == FAULT_KILL_AT_STEP and FAULT_KILL_RANK in (None, self.backend.rank):
                     os.kill(os.getpid(), signal.SIGKILL)  # fault injection for the tests: die like `kill -9`
                 if self.step % tc.eval_interval == 0 or self.step == tc.max_steps:
