@@ -167,6 +167,10 @@ class TorchDistributed(SingleProcess):
 
     def close(self) -> None:
         if dist.is_initialized():
+            try:
+                dist.barrier()  # nobody tears the group down while a peer is still in a collective
+            except Exception:  # a peer is gone: the error that brought us here is the one to report
+                pass
             dist.destroy_process_group()
 
 
