@@ -101,18 +101,6 @@ def step_fn(model, idx, targets, n_steps=None):
     return run
 
 
-def best_time(fn, device, repeat: int) -> float:
-    fn()  # warm-up
-    sync(device)
-    times = []
-    for _ in range(repeat):
-        t = time.perf_counter()
-        fn()
-        sync(device)
-        times.append(time.perf_counter() - t)
-    return min(times)
-
-
 def interleaved(arms: dict, device, repeat: int) -> dict[str, float]:
     """Best time of each arm, the arms alternating so that drifts hit all of them alike."""
     for fn in arms.values():
@@ -159,21 +147,22 @@ def main() -> None:
     }
     del grt, dense
 
-    # (b) core_step activation checkpointing vs none at R = 10 (1+1x10+1)
-    res = {}
+    # (b) core_step activation checkpointing vs none at R = 10 (1+1x10+1), timed side by side
+    res, fns = {}, {}
     for mode in ("none", "core_step"):
         torch.manual_seed(0)
         m = build_model(GRTConfig(vocab_size=V, block_size=S, d_model=d, n_head=h, n_prelude=1, n_core=1, n_coda=1,
                                   n_recurrence=10)).to(device).train()
         apply_activation_checkpointing(m, mode)
-        fn = step_fn(m, idx, targets, 10)
-        res[mode] = {"saved_activations_mb": round(saved_activation_mb(m, idx, targets, 10), 1),
-                     "step_s": round(best_time(fn, device, args.repeat), 4)}
+        fns[mode] = step_fn(m, idx, targets, 10)
+        res[mode] = {"saved_activations_mb": round(saved_activation_mb(m, idx, targets, 10), 1)}
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
-            fn()
+            fns[mode]()
             res[mode]["cuda_peak_allocated_mb"] = round(torch.cuda.max_memory_allocated() / 2**20, 1)
-        del m, fn
+    for mode, seconds in interleaved(fns, device, args.repeat).items():
+        res[mode]["step_s"] = round(seconds, 4)
+    del fns
     out["b_activation_checkpointing_R10"] = {
         **res, "memory_ratio_core_step_over_none": round(res["core_step"]["saved_activations_mb"]
                                                          / res["none"]["saved_activations_mb"], 3),

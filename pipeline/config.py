@@ -150,6 +150,13 @@ class DataConfig:
     # Training on several tokenized datasets: sampled in proportion to weight. Empty: train on dataset_dir alone.
     mixture: list[MixtureEntry] = field(default_factory=list)
 
+    def training_datasets(self) -> tuple[list[str], list[float]]:
+        """The datasets training samples from, with weights: ``mixture`` or ``dataset_dir`` alone. The first one's
+        validation split is the run's validation set."""
+        if self.mixture:
+            return [m.dataset_dir for m in self.mixture], [m.weight for m in self.mixture]
+        return [self.dataset_dir], [1.0]
+
     def validate(self) -> list[str]:
         p = []
         if not self.sources:

@@ -14,7 +14,6 @@ from pipeline.tracking import open_tracker
 from pipeline.train.backend import pick_device
 from pipeline.train.checkpoint import load_checkpoint, resolve_checkpoint
 from pipeline.train.data import TokenShards, validation_batches
-from pipeline.train.trainer import training_datasets
 from pipeline.eval.exits import exit_curve, exit_flops
 from pipeline.eval.plots import plot_exit_curves
 
@@ -68,7 +67,7 @@ def evaluate(path: str | Path, overrides: list[str] | None = None, quiet: bool =
         n_max = cfg.eval.max_steps or cfg.model.n_layer
     else:
         n_max = cfg.eval.max_steps or 2 * trained_depth
-    val = TokenShards(training_datasets(cfg)[0][0], "val")
+    val = TokenShards(cfg.data.training_datasets()[0][0], "val")
     batches = validation_batches(val, cfg.model.block_size, cfg.eval.batch_size, max_tokens=cfg.eval.val_tokens)
     curve = exit_curve(model, batches, n_max, device)
     full_exit = trained_depth if trained_depth is not None else cfg.model.n_layer

@@ -16,7 +16,7 @@ import shutil
 import sys
 import time
 from collections import deque
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import Future, ProcessPoolExecutor
 from pathlib import Path
 from typing import Iterator
 
@@ -41,18 +41,38 @@ class BadRecordError(ValueError):
     """A bad input record under `strict`."""
 
 
-def data_fingerprint(cfg: DataConfig) -> str:
-    """What decides the dataset's bytes (not where it goes, how many workers make it, or training-time mixing)."""
+def content_config(cfg: DataConfig) -> dict:
+    """The part of the data config that decides the dataset's bytes (not where it goes, how many workers make it,
+    whether bad records fail the job, or training-time mixing): recorded in the manifest and fingerprinted."""
     d = dataclasses.asdict(cfg)
     for key in ("dataset_dir", "workers", "strict", "mixture"):
         d.pop(key)
-    return config_hash(d)
+    return d
+
+
+def data_fingerprint(cfg: DataConfig) -> str:
+    return config_hash(content_config(cfg))
 
 
 def is_validation(content_hash: int, fraction: float) -> bool:
     """A document goes to validation when its content hash falls under ``fraction``: deterministic, independent of
     order and worker count, and equal documents always land in the same split."""
     return content_hash < fraction * 2**64
+
+
+class _InProcess:
+    """The executor for one worker: runs each batch in this process when it is submitted."""
+
+    def submit(self, fn, *args) -> Future:
+        fut: Future = Future()
+        fut.set_result(fn(*args))
+        return fut
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
 
 
 class _Job:
@@ -67,7 +87,6 @@ class _Job:
         self.dtype = np.dtype(np.uint16 if self.ident["n_vocab"] <= 2**16 else np.uint32)
         self.sources: list[SourceConfig] = list(cfg.sources) + list(cfg.validation_sources)
         self.units: list[list[Unit]] = [plan_units(i, s) for i, s in enumerate(self.sources)]  # fails fast
-        self.unit_names = {(u.source, u.index): u.name for us in self.units for u in us}
         self.writers = {s: ShardWriter(self.out, s, cfg.shard_tokens, self.dtype) for s in ("train", "val")}
         self.dedup = HashSet64()
         self.stats = [{"kind": s.kind, "paths": s.paths, "name": s.name, "documents": 0, "bytes": 0, "tokens": 0,
@@ -142,8 +161,9 @@ class _Job:
     def handle(self, records: list[Record], res: BatchResult, bar) -> None:
         d = 0  # document index within the batch
         offset = 0
+        batch_bytes = sum(r.nbytes for r in records)
+        self.bytes_read += batch_bytes
         for rec, kind in zip(records, res.kinds.tolist()):
-            self.bytes_read += rec.nbytes
             src = rec.pos[0]
             if kind == DOC:
                 h, ntok, nbytes = int(res.hashes[d]), int(res.ntokens[d]), int(res.nbytes[d])
@@ -178,14 +198,14 @@ class _Job:
             st["tokens"] += ntok
             if self.writers[self._split_of(src, h)].add_document(tokens):
                 self.save_state()
-        bar.update(sum(r.nbytes for r in records))
+        bar.update(batch_bytes)
         bar.set_postfix_str(f"{sum(s['documents'] for s in self.stats):,} docs, "
                             f"{sum(s['tokens'] for s in self.stats) / max(1e-9, time.time() - self.t0):,.0f} tok/s",
                             refresh=False)
 
     def location(self, rec: Record) -> str:
-        name = self.unit_names[rec.pos[:2]]
-        fmt = self.units[rec.pos[0]][rec.pos[1]].fmt
+        unit = self.units[rec.pos[0]][rec.pos[1]]
+        name, fmt = unit.name, unit.fmt
         if fmt == "jsonl":
             return f"{name}:{rec.pos[2] + 1}"
         if fmt == "text" and self.sources[rec.pos[0]].text_mode == "file":
@@ -199,34 +219,25 @@ class _Job:
         total = sum(u.size or 0 for us in self.units for u in us) or None
         bar = tqdm(total=total, initial=self.bytes_read if total else 0, unit="B", unit_scale=True,
                    desc="tokenize: input read", disable=self.quiet, mininterval=1.0, smoothing=0.1)
+        # fork: workers start at once and never re-import the caller's __main__ (spawn would)
+        ctx = multiprocessing.get_context("fork" if sys.platform == "linux" else "spawn")
+        pool = ProcessPoolExecutor(self.workers, mp_context=ctx) if self.workers > 1 else _InProcess()
         try:
-            if self.workers == 1:
+            with pool:
+                inflight: deque = deque()
                 for batch in self.batches():
                     recs = [(r.raw, r.fmt) for r in batch]
-                    self.handle(batch, process_batch(recs, self._field(batch), self.dtype.name), bar)
-            else:
-                # fork: workers start at once and never re-import the caller's __main__ (spawn would)
-                ctx = multiprocessing.get_context("fork" if sys.platform == "linux" else "spawn")
-                with ProcessPoolExecutor(self.workers, mp_context=ctx) as pool:
-                    inflight: deque = deque()
-                    for batch in self.batches():
-                        recs = [(r.raw, r.fmt) for r in batch]
-                        inflight.append((batch, pool.submit(process_batch, recs, self._field(batch), self.dtype.name)))
-                        if len(inflight) >= 2 * self.workers + 2:
-                            b, fut = inflight.popleft()
-                            self.handle(b, fut.result(), bar)
-                    while inflight:
+                    text_field = self.sources[batch[0].pos[0]].text_field  # batches() keeps one source per batch
+                    inflight.append((batch, pool.submit(process_batch, recs, text_field, self.dtype.name)))
+                    if len(inflight) >= 2 * self.workers + 2:
                         b, fut = inflight.popleft()
                         self.handle(b, fut.result(), bar)
+                while inflight:
+                    b, fut = inflight.popleft()
+                    self.handle(b, fut.result(), bar)
         finally:
             bar.close()
         return self.finish()
-
-    def _field(self, batch: list[Record]) -> str:
-        fields = {self.sources[r.pos[0]].text_field for r in batch}
-        if len(fields) == 1:
-            return fields.pop()
-        raise AssertionError("a batch spans sources with different text fields")  # batches() prevents this
 
     def finish(self) -> dict:
         splits = {s: w.close() for s, w in self.writers.items()}
@@ -235,15 +246,11 @@ class _Job:
             raise ValueError(f"the {' and '.join(empty)} split is empty ({sum(s['documents'] for s in self.stats)} "
                              f"documents kept in all): add documents, or change data.val_fraction="
                              f"{self.cfg.val_fraction} / data.validation_sources")
-        config = dataclasses.asdict(self.cfg)
-        for key in ("dataset_dir", "workers", "strict", "mixture"):
-            config.pop(key)
         manifest = {
             "format_version": FORMAT_VERSION,
             "fingerprint": self.fingerprint,
             "tokenizer": self.ident,
             "dtype": self.dtype.name,
-            "eot_id": self.ident["eot_id"],
             "shard_tokens": self.cfg.shard_tokens,
             "splits": splits,
             "sources": self.stats,
@@ -252,7 +259,7 @@ class _Job:
                        "bytes": sum(s["bytes"] for s in self.stats),
                        "duplicates": sum(s["duplicates"] for s in self.stats),
                        "skipped": {r: sum(s["skipped"][r] for s in self.stats) for r in SKIP_REASONS}},
-            "data_config": config,
+            "data_config": content_config(self.cfg),
         }
         write_manifest(self.out, manifest)
         shutil.rmtree(self.progress_dir, ignore_errors=True)

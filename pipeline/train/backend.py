@@ -56,14 +56,16 @@ def _global_grad_norm(params: list[torch.Tensor], max_norm: float) -> float:
 
 
 class SingleProcess:
-    """One process, one device. Also the base of the torch.distributed backends."""
+    """One process, one device. Also the base of the distributed backends."""
 
     name = "single"
+    can_skip = True  # a non-finite step can be dropped without touching the optimizer
 
     def __init__(self, cfg: TrainConfig):
         self.cfg = cfg
         self.rank, self.world_size, self.local_rank = 0, 1, 0
         self.device = pick_device(cfg.device)
+        self.amp_dtype = autocast_dtype(cfg.dtype, self.device)
 
     @property
     def is_main(self) -> bool:
@@ -78,7 +80,7 @@ class SingleProcess:
     def no_sync(self, model, last_micro: bool):
         return contextlib.nullcontext()
 
-    def backward(self, model, loss: torch.Tensor, accum: int) -> None:
+    def backward(self, model, loss: torch.Tensor, accum: int, last_micro: bool) -> None:
         (loss / accum).backward()
 
     def step(self, model, optimizer) -> float:
@@ -98,6 +100,9 @@ class SingleProcess:
         for group in optimizer.param_groups:
             group["lr"] = lr
 
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        return model
+
     # ---- collectives (no-ops in one process)
     def all_true(self, flag: bool) -> bool:
         return flag
@@ -115,11 +120,15 @@ class SingleProcess:
     def model_optimizer_state(self, model, optimizer) -> dict:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-        msd, osd = get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        msd, osd = get_state_dict(self.unwrap(model), optimizer,
+                                  options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         return {"model": msd, "optimizer": osd}
 
     def save_model_optimizer(self, model, optimizer, folder: Path, state: dict) -> None:
         """Called on every rank; rank 0 writes ``state`` (already holding the full state dicts) as one file."""
+        self._write_state(folder, state)
+
+    def _write_state(self, folder: Path, state: dict) -> None:
         if self.is_main:
             with open(folder / "state.pt", "wb") as f:
                 torch.save(state, f)
@@ -129,27 +138,29 @@ class SingleProcess:
     def load_model_optimizer(self, model, optimizer, folder: Path, state: dict) -> None:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
-                       options=StateDictOptions(full_state_dict=True))
-
-    def unwrap(self, model: nn.Module) -> nn.Module:
-        return model
+        set_state_dict(self.unwrap(model), optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optimizer"], options=StateDictOptions(full_state_dict=True))
 
 
 class TorchDistributed(SingleProcess):
-    """Common part of DDP and FSDP: the process group from torchrun's environment."""
+    """Common part of the distributed backends: rank and world size from the launcher's environment."""
+
+    launch_hint = "torchrun --nproc_per_node N -m pipeline.cli train RECIPE"
 
     def __init__(self, cfg: TrainConfig):
         if "RANK" not in os.environ:
-            raise RuntimeError(f"train.backend={cfg.backend} needs a launcher: run it under `torchrun "
-                               f"--nproc_per_node N -m pipeline.cli train RECIPE` (see README: Distributed training)")
+            raise RuntimeError(f"train.backend={cfg.backend} needs a launcher: run it under `{self.launch_hint}` "
+                               f"(see README: Distributed training)")
         self.cfg = cfg
         self.rank, self.world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         self.local_rank = int(os.environ.get("LOCAL_RANK", 0))
         self.device = pick_device(cfg.device, self.local_rank)
+        self.amp_dtype = autocast_dtype(cfg.dtype, self.device)
+        self._init_process_group(datetime.timedelta(seconds=cfg.collective_timeout_s))
+
+    def _init_process_group(self, timeout: datetime.timedelta) -> None:
         if not dist.is_initialized():
-            dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo",
-                                    timeout=datetime.timedelta(seconds=cfg.collective_timeout_s),
+            dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo", timeout=timeout,
                                     device_id=self.device if self.device.type == "cuda" else None)
 
     def all_true(self, flag: bool) -> bool:
@@ -190,12 +201,6 @@ class DDP(TorchDistributed):
     def unwrap(self, model):
         return model.module
 
-    def model_optimizer_state(self, model, optimizer) -> dict:
-        return super().model_optimizer_state(model.module, optimizer)
-
-    def load_model_optimizer(self, model, optimizer, folder, state) -> None:
-        super().load_model_optimizer(model.module, optimizer, folder, state)
-
 
 class FSDP(TorchDistributed):
     """FSDP2: the per-block ``fully_shard`` calls happen in :func:`pipeline.train.parallelize.parallelize`."""
@@ -209,36 +214,24 @@ class FSDP(TorchDistributed):
         model.set_requires_gradient_sync(last_micro)  # reduce-scatter once per step
         return contextlib.nullcontext()
 
-    def load_model_optimizer(self, model, optimizer, folder, state) -> None:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
-
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
-                       options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=False))
-
 
 class DeepSpeed(TorchDistributed):
     """DeepSpeed ZeRO 0..3 with ``torch.optim.AdamW`` as the client optimizer. The engine does accumulation,
     clipping and the step; checkpoints use DeepSpeed's own (sharded) format inside the step folder."""
 
     name = "deepspeed"
+    can_skip = False  # the engine's accumulation window cannot be abandoned half-way
+    launch_hint = ("torchrun --nproc_per_node N -m pipeline.cli train RECIPE` or `deepspeed --num_gpus N "
+                   "--module pipeline.cli train RECIPE")
 
-    def __init__(self, cfg: TrainConfig):
-        if "RANK" not in os.environ:
-            raise RuntimeError("train.backend=deepspeed needs a launcher: `torchrun --nproc_per_node N -m "
-                               "pipeline.cli train RECIPE` or `deepspeed --num_gpus N pipeline/cli.py train RECIPE`")
+    def _init_process_group(self, timeout: datetime.timedelta) -> None:
         import deepspeed
 
-        self.cfg = cfg
-        self.rank, self.world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        self.local_rank = int(os.environ.get("LOCAL_RANK", 0))
-        self.device = pick_device(cfg.device, self.local_rank)
         if self.device.type == "cpu":
             os.environ.setdefault("DS_ACCELERATOR", "cpu")
-        deepspeed.init_distributed("nccl" if self.device.type == "cuda" else "gloo",
-                                   timeout=datetime.timedelta(seconds=cfg.collective_timeout_s))
-        self.engine = None
+        deepspeed.init_distributed("nccl" if self.device.type == "cuda" else "gloo", timeout=timeout)
 
-    def ds_config(self, amp_dtype: torch.dtype) -> dict:
+    def ds_config(self) -> dict:
         """The DeepSpeed config generated from the recipe; ``train.deepspeed`` is merged over it (escape hatch)."""
         from pipeline.config import deep_merge
 
@@ -248,7 +241,7 @@ class DeepSpeed(TorchDistributed):
             "gradient_accumulation_steps": c.grad_accum_steps // self.world_size,
             "gradient_clipping": c.grad_clip,
             "zero_optimization": {"stage": c.zero_stage},
-            "bf16": {"enabled": amp_dtype == torch.bfloat16},
+            "bf16": {"enabled": self.amp_dtype == torch.bfloat16},
             "steps_per_print": 1 << 30,
             "wall_clock_breakdown": False,
             "zero_allow_untested_optimizer": True,
@@ -259,28 +252,19 @@ class DeepSpeed(TorchDistributed):
         import deepspeed
 
         model = model.to(self.device)
-        optimizer = optimizer_fn(model)
-        self.engine, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer,
-                                                            config=self.ds_config(self.amp_dtype))
-        return self.engine, optimizer
+        engine, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer_fn(model),
+                                                       config=self.ds_config())
+        return engine, optimizer
 
-    def backward(self, model, loss, accum) -> None:
+    def backward(self, model, loss, accum, last_micro) -> None:
         model.backward(loss)  # the engine scales by 1/accumulation itself
+        if not last_micro:
+            model.step()  # counts the micro-step; the optimizer only steps at the accumulation boundary
 
     def step(self, model, optimizer) -> float:
         model.step()
         norm = model.get_global_grad_norm()
         return float(norm) if norm is not None else float("nan")
-
-    def micro_step(self, model) -> None:
-        model.step()  # a no-op for the optimizer until the accumulation boundary
-
-    def skip_step(self, model, optimizer) -> None:
-        model.zero_grad()
-
-    def set_lr(self, optimizer, lr: float) -> None:
-        for group in optimizer.param_groups:
-            group["lr"] = lr
 
     def unwrap(self, model):
         return model.module
@@ -290,11 +274,7 @@ class DeepSpeed(TorchDistributed):
 
     def save_model_optimizer(self, model, optimizer, folder: Path, state: dict) -> None:
         model.save_checkpoint(str(folder), tag="deepspeed", save_latest=False)
-        if self.is_main:
-            with open(folder / "state.pt", "wb") as f:
-                torch.save(state, f)
-                f.flush()
-                os.fsync(f.fileno())
+        self._write_state(folder, state)
 
     def load_model_optimizer(self, model, optimizer, folder, state) -> None:
         path, _ = model.load_checkpoint(str(folder), tag="deepspeed", load_optimizer_states=True,

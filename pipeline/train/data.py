@@ -42,6 +42,10 @@ class TokenShards:
     def window(self, shard: int, start: int, seq_len: int) -> np.ndarray:
         return np.asarray(self.arrays[shard][start:start + seq_len + 1], dtype=np.int64)
 
+    def window_at(self, index: np.ndarray, row: int, seq_len: int) -> np.ndarray:
+        """Window number ``row`` of ``index`` (from :meth:`window_index`)."""
+        return self.window(int(index[row, 0]), int(index[row, 1]), seq_len)
+
 
 def _to_batch(windows: list[np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
     data = torch.from_numpy(np.stack(windows))
@@ -71,8 +75,7 @@ class SequenceLoader:
             if n < 1:
                 raise ValueError(f"the dataset at {d.dir} has no window of {seq_len + 1} tokens; tokenize more text "
                                  f"or lower model.block_size")
-        self.cursor = 0  # samples consumed over all ranks
-        self.counts = [0] * len(self.datasets)  # of which from each dataset
+        self.counts = [0] * len(self.datasets)  # samples consumed over all ranks, per dataset
         self.current = [0.0] * len(self.datasets)  # smooth weighted round-robin state
         self._perm_key, self._perm = None, None
 
@@ -99,20 +102,23 @@ class SequenceLoader:
             k = self._pick()
             picks.append((k, self.counts[k]))
             self.counts[k] += 1
-        self.cursor += self.batch * self.world_size
         mine = picks[self.rank * self.batch:(self.rank + 1) * self.batch]
         return [(k, self._row(k, j)) for k, j in mine]
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return _to_batch([self.datasets[k].window(int(self.index[k][r][0]), int(self.index[k][r][1]), self.seq_len)
-                          for k, r in self.next_indices()])
+        return _to_batch([self.datasets[k].window_at(self.index[k], r, self.seq_len) for k, r in self.next_indices()])
+
+    @property
+    def cursor(self) -> int:
+        """Samples consumed over all ranks."""
+        return sum(self.counts)
 
     @property
     def epoch(self) -> float:
         return self.counts[0] / self.n_samples[0]
 
     def state_dict(self) -> dict:
-        return {"version": LOADER_STATE_VERSION, "cursor": self.cursor, "counts": list(self.counts),
+        return {"version": LOADER_STATE_VERSION, "counts": list(self.counts),
                 "current": list(self.current), "seed": self.seed, "n_samples": list(self.n_samples),
                 "seq_len": self.seq_len, "weights": list(self.weights)}
 
@@ -127,7 +133,7 @@ class SequenceLoader:
             raise ValueError("cannot resume the data loader: " + "; ".join(problems) +
                              ". The dataset, its mixture weights or the recipe's seed / block_size changed since the "
                              "checkpoint; restore them or start a new run (train.resume=never).")
-        self.cursor, self.counts, self.current = int(state["cursor"]), list(state["counts"]), list(state["current"])
+        self.counts, self.current = list(state["counts"]), list(state["current"])
 
 
 def validation_batches(shards: TokenShards, seq_len: int, batch_size: int, max_tokens: int | None = None,
@@ -143,5 +149,4 @@ def validation_batches(shards: TokenShards, seq_len: int, batch_size: int, max_t
     for b, start in enumerate(range(0, n, batch_size)):
         if max_batches is not None and b >= max_batches:
             return
-        yield _to_batch([shards.window(int(index[r, 0]), int(index[r, 1]), seq_len)
-                         for r in range(start, min(start + batch_size, n))])
+        yield _to_batch([shards.window_at(index, r, seq_len) for r in range(start, min(start + batch_size, n))])

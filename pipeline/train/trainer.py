@@ -24,7 +24,7 @@ from pipeline.config import RunConfig
 from pipeline.model import build_model, model_class, model_info
 from pipeline.tokenize.bpe import tokenizer_identity
 from pipeline.tracking import open_tracker
-from pipeline.train.backend import autocast_dtype, build_backend
+from pipeline.train.backend import build_backend
 from pipeline.train.callbacks import Callback, ConsoleLogger, TrackerCallback
 from pipeline.train.checkpoint import list_checkpoints, load_checkpoint, prepare_staging, publish, staging_dir
 from pipeline.train.data import SequenceLoader, TokenShards, validation_batches
@@ -45,14 +45,6 @@ def check_dataset_matches_model(manifest: dict, cfg: RunConfig, where: str = "th
         raise ValueError(f"{where} does not fit this recipe: " + "; ".join(problems) +
                          ". Re-tokenize it with the recipe's tokenizer (grt tokenize RECIPE --force) or fix "
                          "model.vocab_size / data.tokenizer.")
-
-
-def training_datasets(cfg: RunConfig) -> tuple[list[str], list[float]]:
-    """The datasets training samples from, with weights: ``data.mixture`` or ``data.dataset_dir`` alone. The first
-    one's validation split is the run's validation set."""
-    if cfg.data.mixture:
-        return [m.dataset_dir for m in cfg.data.mixture], [m.weight for m in cfg.data.mixture]
-    return [cfg.data.dataset_dir], [1.0]
 
 
 def model_config_diff(saved: dict, now: dict) -> list[str]:
@@ -98,9 +90,8 @@ class Trainer:
             torch.set_num_threads(tc.threads)
         torch.manual_seed(cfg.seed)  # the initial weights: the same on every rank
         self.backend = build_backend(tc)
-        self.device = self.backend.device
-        self.amp_dtype = autocast_dtype(tc.dtype, self.device)
-        self.backend.amp_dtype = self.amp_dtype
+        self.device, self.amp_dtype = self.backend.device, self.backend.amp_dtype
+        self.peak_flops = device_peak_flops(self.device)
         if tc.grad_accum_steps % self.backend.world_size:
             raise ValueError(f"train.grad_accum_steps={tc.grad_accum_steps} counts micro-batches over all "
                              f"{self.backend.world_size} ranks and must be a multiple of the world size")
@@ -109,7 +100,7 @@ class Trainer:
         if self.backend.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
 
-        dirs, weights = training_datasets(cfg)
+        dirs, weights = cfg.data.training_datasets()
         self.dataset_dir = Path(dirs[0])
         self.train_data = [TokenShards(d, "train") for d in dirs]
         for d, ds in zip(dirs, self.train_data):
@@ -181,7 +172,6 @@ class Trainer:
         tmp = staging_dir(self.ckpt_dir, self.step)
         state = {"step": self.step, "loader": self.loader.state_dict(), "recipe": self.cfg.to_dict(),
                  "mlflow_run_id": self.tracker_run_id, "info": self.info, "skipped_steps": self.skipped_steps,
-                 "world_size": self.backend.world_size,
                  **self.backend.model_optimizer_state(self.model, self.optimizer)}
         self.backend.save_model_optimizer(self.model, self.optimizer, tmp, state)
         if self.step == FAULT_KILL_IN_SAVE:
@@ -223,51 +213,44 @@ class Trainer:
         t0 = time.perf_counter()
         lr = lr_at(self.step, tc)
         be.set_lr(self.optimizer, lr)
-        loss_sum, depths, finite = 0.0, [], True
-        depth = self.raw_model.train_depth(self.cfg.seed, self.step)
+        loss_sum, finite = 0.0, True
+        depth = self.raw_model.train_depth(self.cfg.seed, self.step)  # one depth for the whole step (None: dense)
         for micro in range(self.accum):
             x, y = self.loader.next_batch()
             x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
-            if depth is not None:
-                depths.append(depth)
             torch.manual_seed(step_seed(self.cfg.seed, self.step, micro * be.world_size + be.rank))
             last = micro == self.accum - 1
-            with be.no_sync(self.model, last), self.autocast():
-                _, loss = self.model(x, y, n_steps=depth)
-            if self.step + 1 in FAULT_NAN_STEPS:
-                loss = loss * float("nan")
-            ok = be.all_true(bool(torch.isfinite(loss)))  # every rank takes the same decision
-            if not ok and be.name == "deepspeed":
-                last_ckpt = list_checkpoints(self.ckpt_dir)
-                raise BadStepsError(f"non-finite loss at step {self.step + 1}: DeepSpeed's engine cannot skip a "
-                                    f"step inside its accumulation window, so the run stops here. Last good "
-                                    f"checkpoint: {last_ckpt[-1] if last_ckpt else 'none'}")
+            with be.no_sync(self.model, last):
+                with self.autocast():
+                    _, loss = self.model(x, y, n_steps=depth)
+                if self.step + 1 in FAULT_NAN_STEPS:
+                    loss = loss * float("nan")
+                value = loss.item()
+                ok = be.all_true(math.isfinite(value))  # every rank takes the same decision
+                if not ok and not be.can_skip:
+                    last_ckpt = list_checkpoints(self.ckpt_dir)
+                    raise BadStepsError(f"non-finite loss at step {self.step + 1}: the {be.name} backend cannot "
+                                        f"skip a step inside its accumulation window, so the run stops here. Last "
+                                        f"good checkpoint: {last_ckpt[-1] if last_ckpt else 'none'}")
+                if ok:
+                    be.backward(self.model, loss, self.accum, last)
             finite = finite and ok
-            if ok:
-                with be.no_sync(self.model, last):
-                    be.backward(self.model, loss, self.accum)
-                if be.name == "deepspeed" and not last:
-                    be.micro_step(self.model)
-            loss_sum += loss.item() if ok else float("nan")
+            loss_sum += value
         if finite:
-            grad_norm = be.step(self.model, self.optimizer)  # non-finite norms: the torch backends skip below
-            finite = math.isfinite(grad_norm) or be.name == "deepspeed"
+            grad_norm = be.step(self.model, self.optimizer)  # non-finite norms: the step is not taken
+            finite = math.isfinite(grad_norm) or not be.can_skip
         else:
             grad_norm = float("nan")
-        if not finite:
             be.skip_step(self.model, self.optimizer)
         self.step += 1
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         dt = time.perf_counter() - t0
-        mean_depth = sum(depths) / len(depths) if depths else None
-        flops = (sum(self.model_cls.flops_per_token(self.cfg.model, d, with_head=True) for d in depths) / len(depths)
-                 if depths else self.model_cls.flops_per_token(self.cfg.model, with_head=True))
-        peak = device_peak_flops(self.device)
+        flops = self.model_cls.flops_per_token(self.cfg.model, depth, with_head=True)
         # model FLOPs utilisation: forward + backward = 3x the forward FLOPs, over the peak of all devices
-        mfu = 3 * flops * self.tokens_per_step / dt / (peak * be.world_size) if peak else None
+        mfu = 3 * flops * self.tokens_per_step / dt / (self.peak_flops * be.world_size) if self.peak_flops else None
         return {"step": self.step, "loss": be.reduce_mean(loss_sum / self.accum), "grad_norm": grad_norm,
-                "lr": lr, "depth": mean_depth, "tokens_per_s": self.tokens_per_step / dt, "step_time_s": dt,
+                "lr": lr, "depth": depth, "tokens_per_s": self.tokens_per_step / dt, "step_time_s": dt,
                 "mfu": mfu,
                 "flops_per_token": flops, "tokens_seen": self.step * self.tokens_per_step, "epoch": self.loader.epoch,
                 "finite": finite,
@@ -306,7 +289,7 @@ class Trainer:
                     last_eval = self.validate()
                     for cb in self.callbacks:
                         cb.on_eval(self, last_eval)
-                stop = self.backend.all_true(not self._stop_requested) is False
+                stop = not self.backend.all_true(not self._stop_requested)
                 if self.step % tc.checkpoint_interval == 0 or self.step == tc.max_steps or stop:
                     self.save()
                 if stop:
