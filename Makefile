@@ -20,6 +20,7 @@ $(STAMP): setup.py
 	$(PY) -m pip install --quiet "torch==2.13.0" "numpy>=1.26,<3" packaging psutil py-cpuinfo ninja hjson msgpack einops "pydantic>=2" $(QUIET_PIP)
 	DS_BUILD_OPS=0 $(PY) -m pip install --quiet --no-build-isolation "deepspeed>=0.15,<0.20" $(QUIET_PIP)
 	$(PY) -m pip install --quiet -e ".[test]" $(QUIET_PIP)
+	$(PY) -m pipeline.eval.lm_eval_plugin
 	touch $(STAMP)
 
 # The main job on the bundled default: tokenize the Python standard library, train the matched GRT and dense

@@ -1,12 +1,21 @@
 """grt-pipeline: pretraining pipeline for recurrent-depth transformers (GRT first)."""
+import sysconfig
+
 from setuptools import find_packages, setup
+
+# Registers the `grt` model with lm-eval at interpreter start (see pipeline/eval/lm_eval_plugin.py). Installed as a
+# data file into site-packages (the purelib folder relative to the environment's prefix), which works for regular
+# and editable installs into a virtual environment alike.
+PTH = "grt_pipeline_lm_eval.pth"
+SITE_PACKAGES = sysconfig.get_path("purelib", vars={"base": "", "platbase": ""}).lstrip("/")
 
 setup(
     name="grt-pipeline",
     version="0.1.0",
     description="tokenize -> train -> eval pipeline for Gated Recurrent Transformers and dense baselines",
     packages=find_packages(include=["pipeline", "pipeline.*", "ops", "ops.*"]),
-    package_data={"pipeline": ["py.typed"]},
+    package_data={"pipeline": ["py.typed", "eval/tasks/*.yaml"]},
+    data_files=[(SITE_PACKAGES, [PTH])],
     python_requires=">=3.10",
     install_requires=[
         # torch pinned: the machine image ships a CPU wheel of exactly this version; anything looser pulls a CUDA build
@@ -21,6 +30,7 @@ setup(
         "matplotlib>=3.8,<4",
         "tqdm>=4.66,<5",
         "deepspeed>=0.15,<0.20",
+        "lm-eval==0.4.13",
     ],
     extras_require={"test": ["pytest>=8,<10"]},
     entry_points={"console_scripts": ["grt=pipeline.cli:main"]},

@@ -111,14 +111,20 @@ def cmd_compare(args) -> int:
     from pipeline.eval.compare import compare
     from pipeline.tracking import resolve_uri
 
-    tracking = TrackingConfig(uri=args.tracking_uri, experiment=args.experiment)
-    table, plot = compare(args.runs, tracking, args.out)
-    print(table)
-    print(f"\nearly-exit overlay: {plot}")
-    print(f"table: {os.path.join(args.out, 'table.txt')}")
-    uri = resolve_uri(tracking.uri)
-    print(f"MLflow UI: `.venv/bin/mlflow ui --backend-store-uri {uri}` then open http://127.0.0.1:5000 "
-          f"(experiment '{tracking.experiment}')")
+    tags = {}
+    for t in args.tag or []:
+        key, sep, value = t.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--tag {t!r}: write it as key=value")
+        tags[key] = value
+    experiments = args.experiment or [TrackingConfig.experiment]
+    tracking = TrackingConfig(uri=args.tracking_uri, experiment=experiments[0])
+    text, plot = compare(args.runs, tracking, args.out, args.format, experiments, tags)
+    print(text)
+    if args.format in ("table", "markdown"):
+        print(f"\nearly-exit overlay (loss vs r and vs inference FLOPs): {plot}")
+        print(f"MLflow UI: `.venv/bin/mlflow ui --backend-store-uri {resolve_uri(tracking.uri)}` then open "
+              f"http://127.0.0.1:5000 (experiment(s) {', '.join(experiments)})")
     return 0
 
 
@@ -151,15 +157,20 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(fn=cmd_data_stats)
     with_recipe("train", cmd_train, "train (resumes from the run folder's latest checkpoint)")
     with_recipe("run", cmd_run, "tokenize + train + eval")
-    s = sub.add_parser("eval", help="early-exit curve and gate means of a trained run")
+    s = sub.add_parser("eval", help="early-exit curves, recurrence diagnostics and downstream tasks of a trained run")
     s.add_argument("run", help="run folder (runs/NAME), step folder or state.pt")
-    s.add_argument("overrides", nargs="*", help="recipe overrides, e.g. eval.max_steps=12 eval.val_tokens=131072")
+    s.add_argument("overrides", nargs="*", help="recipe overrides, e.g. eval.max_steps=12 eval.val_tokens=131072 "
+                                                "eval.tasks=[piqa,arc_easy] eval.task_depths=[2,4,8]")
     s.set_defaults(fn=cmd_eval)
-    s = sub.add_parser("compare", help="table + early-exit overlay of evaluated runs")
+    s = sub.add_parser("compare", help="early-exit and downstream tables + early-exit overlays of evaluated runs")
     s.add_argument("runs", nargs="*", help="MLflow run names/ids or run folders (default: all evaluated runs)")
     s.add_argument("--tracking-uri", default=TrackingConfig.uri)
-    s.add_argument("--experiment", default=TrackingConfig.experiment)
-    s.add_argument("--out", default="runs/compare", help="folder for the overlay plot and table")
+    s.add_argument("--experiment", action="append", default=None,
+                   help=f"MLflow experiment to search (repeatable; default {TrackingConfig.experiment})")
+    s.add_argument("--tag", action="append", default=None, metavar="KEY=VALUE",
+                   help="only runs with this MLflow tag (repeatable; set them with tracking.tags in the recipe)")
+    s.add_argument("--format", default="table", choices=["table", "markdown", "csv", "json"])
+    s.add_argument("--out", default="runs/compare", help="folder for the overlay plot and the table file")
     s.set_defaults(fn=cmd_compare)
     return p
 

@@ -227,18 +227,40 @@ class TrainConfig:
         return p
 
 
+# Downstream tasks with local task configs (pipeline/eval/tasks/), named as in lm-eval.
+LOCAL_TASKS = ("lambada_openai", "hellaswag", "arc_easy", "arc_challenge", "piqa", "boolq", "winogrande")
+
+
 @dataclass
 class EvalConfig:
     max_steps: Optional[int] = None  # R_max for the early-exit curve; default 2R (GRT). Dense: every layer.
     val_tokens: int = 65536  # validation-token budget: the same for every run so numbers compare
     batch_size: int = 8
+    diagnostics: bool = True  # GRT: gate/update statistics, frequency bands, difficulty deciles, anchor ablations
+    heatmap_prompts: list[str] = field(default_factory=lambda: [
+        "The old man sat by the", "def add(a, b):\n    return a + b", "In 1492, Columbus sailed across the"])
+    baseline: Optional[str] = None  # a run folder or name whose exits are overlaid (Figure 3a: dense per-layer exits)
+    tasks: list[str] = field(default_factory=list)  # downstream tasks via lm-eval, e.g. [piqa, arc_easy]
+    task_depths: list[int] = field(default_factory=list)  # depths to score them at (default: the trained depth)
+    task_data_dir: Optional[str] = None  # laid out like shared/data/eval (default: GRT_EVAL_DATA or a shared/ above)
+    task_limit: Optional[int] = None  # items per task (default: all)
+    task_batch_size: int = 64
 
     def validate(self) -> list[str]:
         p = []
         if self.max_steps is not None and self.max_steps < 1:
             p.append(f"eval.max_steps must be >= 1, got {self.max_steps}")
-        if self.val_tokens < 1 or self.batch_size < 1:
-            p.append("eval.val_tokens and eval.batch_size must be >= 1")
+        if self.val_tokens < 1 or self.batch_size < 1 or self.task_batch_size < 1:
+            p.append("eval.val_tokens, eval.batch_size and eval.task_batch_size must be >= 1")
+        if any(d < 1 for d in self.task_depths):
+            p.append(f"eval.task_depths must all be >= 1, got {self.task_depths}")
+        if self.task_limit is not None and self.task_limit < 1:
+            p.append(f"eval.task_limit must be >= 1, got {self.task_limit}")
+        for t in self.tasks:
+            if t not in LOCAL_TASKS:
+                near = difflib.get_close_matches(t, LOCAL_TASKS, n=1)
+                p.append(f"eval.tasks: unknown task {t!r}" + (f" — did you mean {near[0]!r}?" if near else
+                                                              f"; the local tasks are {list(LOCAL_TASKS)}"))
         return p
 
 
@@ -249,9 +271,13 @@ class TrackingConfig:
     # folder lists these runs. Any tracking URI works (http://host:5000, databricks, ...).
     uri: str = "sqlite:///mlflow.db"
     experiment: str = "grt-pipeline"
+    tags: dict = field(default_factory=dict)  # MLflow run tags, e.g. {study: ablation}; `grt compare --tag` selects by them
 
     def validate(self) -> list[str]:
-        return [] if self.uri else ["tracking.uri is empty"]
+        p = [] if self.uri else ["tracking.uri is empty"]
+        if not all(isinstance(k, str) and isinstance(v, (str, int, float, bool)) for k, v in self.tags.items()):
+            p.append(f"tracking.tags must map names to plain values, got {self.tags!r}")
+        return p
 
 
 @dataclass

@@ -1,10 +1,14 @@
-"""`grt compare [RUNS...]`: one table of runs side by side and an overlay of their early-exit curves.
+"""`grt compare [RUNS...]`: evaluated runs side by side: an early-exit table, a downstream table (task x run at each
+scored depth) and overlays of the early-exit curves against r and against inference FLOPs.
 
-RUNS are MLflow run names or ids in the recipe's experiment (default: every run there with an evaluation), or run
-folders (``runs/NAME``) holding ``eval/exits.json``. Figures come from what ``grt eval`` measured and logged.
+RUNS are MLflow run names or ids, or run folders (``runs/NAME``) holding ``eval/exits.json``. With no RUNS, every
+evaluated run of the experiment(s) is taken, narrowed by ``--tag key=value``. Figures come from what ``grt eval``
+measured and saved; nothing is recomputed here.
 """
 from __future__ import annotations
 
+import csv
+import io
 import json
 import os
 import tempfile
@@ -14,21 +18,27 @@ from pipeline.config import TrackingConfig
 from pipeline.eval.plots import plot_exit_curves
 from pipeline.tracking import resolve_uri
 
+FORMATS = ("table", "markdown", "csv", "json")
+
 
 def _from_folder(path: Path) -> dict | None:
     f = path / "eval" / "exits.json"
     return json.loads(f.read_text()) if f.is_file() else None
 
 
-def _from_mlflow(tracking: TrackingConfig, names: list[str]) -> list[dict]:
+def _from_mlflow(tracking: TrackingConfig, names: list[str], experiments: list[str], tags: dict[str, str]) -> list:
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(tracking_uri=resolve_uri(tracking.uri))
-    exp = client.get_experiment_by_name(tracking.experiment)
-    if exp is None:
-        return []
-    runs = client.search_runs([exp.experiment_id], order_by=["attributes.start_time DESC"], max_results=500)
+    ids = []
+    for name in experiments:
+        exp = client.get_experiment_by_name(name)
+        if exp is None:
+            raise LookupError(f"no MLflow experiment '{name}' at {resolve_uri(tracking.uri)}")
+        ids.append(exp.experiment_id)
+    query = " and ".join(f"tags.`{k}` = '{v}'" for k, v in tags.items())
+    runs = client.search_runs(ids, filter_string=query, order_by=["attributes.start_time DESC"], max_results=1000)
     out, taken = [], set()
     for run in runs:
         name = run.info.run_name
@@ -43,29 +53,32 @@ def _from_mlflow(tracking: TrackingConfig, names: list[str]) -> list[dict]:
                 continue  # not evaluated yet
             res = json.loads(Path(local).read_text())
         res["mlflow_run_id"] = run.info.run_id
+        res["experiment"] = next(e for e, i in zip(experiments, ids) if i == run.info.experiment_id)
         out.append(res)
         taken.add(name)
     return out
 
 
-def collect(runs: list[str], tracking: TrackingConfig) -> list[dict]:
+def collect(runs: list[str], tracking: TrackingConfig, experiments: list[str] | None = None,
+            tags: dict[str, str] | None = None) -> list[dict]:
+    experiments = experiments or [tracking.experiment]
     found, names = [], []
     for r in runs:
         res = _from_folder(Path(r)) if Path(r).is_dir() else None
         (found.append(res) if res else names.append(r))
     if names or not runs:
-        by_mlflow = _from_mlflow(tracking, names)
+        by_mlflow = _from_mlflow(tracking, names, experiments, tags or {})
         missing = [n for n in names if not any(n in (m["name"], m.get("mlflow_run_id")) for m in by_mlflow)]
         if missing:
-            raise LookupError(f"no evaluated run named {missing} in MLflow experiment '{tracking.experiment}' at "
-                              f"{resolve_uri(tracking.uri)} (nor a run folder with eval/exits.json); run "
-                              f"`grt eval runs/NAME` first")
+            raise LookupError(f"no evaluated run named {missing} in MLflow experiment(s) {experiments} at "
+                              f"{resolve_uri(tracking.uri)}" + (f" with tags {tags}" if tags else "")
+                              + " (nor a run folder with eval/exits.json); run `grt eval runs/NAME` first")
         found += by_mlflow
     order = {name: i for i, name in enumerate(runs)}  # the order the user asked for
     return sorted(found, key=lambda r: order.get(r["name"], order.get(r.get("mlflow_run_id"), len(order))))
 
 
-def format_table(results: list[dict]) -> str:
+def exit_table(results: list[dict]) -> tuple[list[str], list[list[str]], str]:
     n_exits = max(len(r["exit"]) for r in results)
     head = ["run", "model", "shorthand", "params", "steps", "tokens", "val loss"] + [f"@{i}" for i in
                                                                                      range(1, n_exits + 1)]
@@ -76,23 +89,86 @@ def format_table(results: list[dict]) -> str:
         rows.append([r["name"], r["type"], r["shorthand"], f"{r['params'] / 1e6:.2f}M", str(r["step"]),
                      f"{r['tokens_trained'] / 1e6:.2f}M", val]
                     + [f"{exits[i]:.3f}" if i in exits else "" for i in range(1, n_exits + 1)])
-    widths = [max(len(x) for x in col) for col in zip(head, *rows)]
-    line = lambda cells: "  ".join(c.rjust(w) if i >= 3 else c.ljust(w) for i, (c, w) in enumerate(zip(cells,
-                                                                                                          widths)))
-    sep = "  ".join("-" * w for w in widths)
     notes = ("val loss: validation loss at the trained depth (GRT: R recurrence steps) / full depth (dense), "
              "nats/token; @k: loss when exiting after recurrence step k (GRT) or layer k (dense)")
-    return "\n".join([line(head), sep] + [line(r) for r in rows] + [notes])
+    return head, rows, notes
 
 
-def compare(runs: list[str], tracking: TrackingConfig, out: str | Path = "runs/compare") -> tuple[str, Path]:
-    results = collect(runs, tracking)
+def downstream_table(results: list[dict]) -> tuple[list[str], list[list[str]], str] | None:
+    """Rows: task and metric (acc_norm where lm-eval reports it, else acc; perplexity too for LAMBADA); columns:
+    each run at each depth it was scored at (``name @depth``)."""
+    from pipeline.eval.downstream import headline
+
+    cols, cells = [], {}
+    for r in results:
+        for depth, tasks in (r.get("downstream") or {}).get("depths", {}).items():
+            col = f"{r['name']} @{depth}"
+            cols.append(col)
+            for task, row in tasks.items():
+                metrics = [headline(row)[0]] + (["perplexity"] if "perplexity" in row else [])
+                for m in metrics:
+                    cells[(task, m, col)] = (row[m], row.get(f"{m}_stderr"), row["items"])
+    if not cols:
+        return None
+    keys = list(dict.fromkeys((t, m) for t, m, _ in cells))
+    head = ["task", "metric", "items"] + cols
+    rows = []
+    for task, metric in keys:
+        items = next(v[2] for (t, m, _), v in cells.items() if (t, m) == (task, metric))
+        row = [task, metric, f"{items:,}"]
+        for col in cols:
+            v = cells.get((task, metric, col))
+            row.append("" if v is None else (f"{v[0]:.4f}" + (f" ± {v[1]:.4f}" if v[1] not in (None, 0.0) and
+                                                                 metric != "perplexity" else "")))
+        rows.append(row)
+    notes = "downstream: lm-eval metrics (± standard error), zero-shot; @d: scored at recurrence depth / exit layer d"
+    return head, rows, notes
+
+
+def render(head: list[str], rows: list[list[str]], fmt: str, notes: str = "") -> str:
+    if fmt == "csv":
+        buf = io.StringIO()
+        csv.writer(buf, lineterminator="\n").writerows([head] + rows)
+        return buf.getvalue().rstrip("\n")
+    if fmt == "markdown":
+        lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
+        lines += ["| " + " | ".join(r) + " |" for r in rows]
+        return "\n".join(lines + ([f"\n{notes}"] if notes else []))
+    widths = [max(len(x) for x in col) for col in zip(head, *rows)]
+
+    def line(cells):
+        return "  ".join(c.rjust(w) if i >= 3 or (head[0] == "task" and i >= 2) else c.ljust(w)
+                         for i, (c, w) in enumerate(zip(cells, widths)))
+    return "\n".join([line(head), "  ".join("-" * w for w in widths)] + [line(r) for r in rows]
+                     + ([notes] if notes else []))
+
+
+def format_results(results: list[dict], fmt: str = "table") -> str:
+    if fmt not in FORMATS:
+        raise ValueError(f"--format {fmt!r}: choose one of {list(FORMATS)}")
+    if fmt == "json":
+        keep = ("name", "type", "shorthand", "params", "step", "tokens_trained", "trained_depth", "val_loss", "exit",
+                "loss", "kl", "top1", "exit_flops", "gate_mean", "downstream", "mlflow_run_id", "experiment")
+        return json.dumps([{k: r[k] for k in keep if k in r} for r in results], indent=2)
+    head, rows, notes = exit_table(results)
+    parts = [render(head, rows, fmt, notes)]
+    down = downstream_table(results)
+    if down:
+        head, rows, notes = down
+        parts.append(render(head, rows, fmt, notes))
+    return "\n\n".join(parts)
+
+
+def compare(runs: list[str], tracking: TrackingConfig, out: str | Path = "runs/compare", fmt: str = "table",
+            experiments: list[str] | None = None, tags: dict[str, str] | None = None) -> tuple[str, Path]:
+    results = collect(runs, tracking, experiments, tags)
     if not results:
-        raise LookupError(f"no evaluated runs in MLflow experiment '{tracking.experiment}'; run `grt eval` first")
-    table = format_table(results)
+        raise LookupError(f"no evaluated runs in MLflow experiment(s) {experiments or [tracking.experiment]}"
+                          + (f" with tags {tags}" if tags else "") + "; run `grt eval` first")
+    text = format_results(results, fmt)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     plot = plot_exit_curves(results, out / "early_exit_overlay.png", title="Compared runs")
-    (out / "table.txt").write_text(table + "\n")
-    table += "".join(f"\nearly-exit plot of {r['name']}: {r['plot']}" for r in results if r.get("plot"))
-    return table, plot
+    ext = {"table": "txt", "markdown": "md", "csv": "csv", "json": "json"}[fmt]
+    (out / f"table.{ext}").write_text(text + "\n")
+    return text, plot

@@ -1,5 +1,5 @@
-"""`grt eval RUN_OR_CHECKPOINT`: the early-exit curve and gate means on the validation split, saved as JSON and PNG
-in the run folder and logged to the run's MLflow run."""
+"""`grt eval RUN_OR_CHECKPOINT`: early-exit curves, recurrence diagnostics and downstream tasks of a checkpoint, saved as
+JSON and PNG in the run folder and logged to the run's MLflow run."""
 from __future__ import annotations
 
 import json
@@ -14,8 +14,9 @@ from pipeline.tracking import open_tracker
 from pipeline.train.backend import pick_device
 from pipeline.train.checkpoint import load_checkpoint, resolve_checkpoint
 from pipeline.train.data import TokenShards, validation_batches
+from pipeline.eval.dynamics import anchor_ablation, band_losses, decile_losses, gate_heatmaps, step_statistics
 from pipeline.eval.exits import exit_curve, exit_flops
-from pipeline.eval.plots import plot_exit_curves
+from pipeline.eval.plots import plot_diagnostics, plot_exit_curves, plot_gate_heatmaps
 
 
 def load_trained(path: str | Path, overrides: list[str] | None = None, device: str = "auto"):
@@ -58,56 +59,165 @@ def run_dir_of(ckpt: Path) -> Path:
 
 
 def evaluate(path: str | Path, overrides: list[str] | None = None, quiet: bool = False) -> dict:
+    """Early-exit curve (+ KL / top-1 to the trained depth), diagnostics and downstream tasks of a checkpoint, saved
+    under runs/NAME/eval/ and logged to the run's MLflow run."""
     t0 = time.time()
     model, cfg, state, ckpt = load_trained(path, overrides)
     device = next(model.parameters()).device
     info = model_info(cfg.model)
+    ev = cfg.eval
+    recurrent = cfg.model.type != "gpt"
     trained_depth = getattr(cfg.model, "n_recurrence", None)
-    if cfg.model.type == "gpt":
-        n_max = cfg.eval.max_steps or cfg.model.n_layer
-    else:
-        n_max = cfg.eval.max_steps or 2 * trained_depth
+    ref = trained_depth if recurrent else cfg.model.n_layer
+    n_max = ev.max_steps or (2 * trained_depth if recurrent else cfg.model.n_layer)
+    exits = list(range(0 if recurrent else 1, n_max + 1))
     val = TokenShards(cfg.data.training_datasets()[0][0], "val")
-    batches = validation_batches(val, cfg.model.block_size, cfg.eval.batch_size, max_tokens=cfg.eval.val_tokens)
-    curve = exit_curve(model, batches, n_max, device)
-    full_exit = trained_depth if trained_depth is not None else cfg.model.n_layer
+
+    def batches():
+        return validation_batches(val, cfg.model.block_size, ev.batch_size, max_tokens=ev.val_tokens)
+
+    curve = exit_curve(model, batches(), exits, ref, device, keep_tokens=ev.diagnostics)
+    shown = [i for i, e in enumerate(curve["exit"]) if e >= 1]  # r = 0 is reported apart, as loss_r0
+    pick = lambda key: [curve[key][i] for i in shown]  # noqa: E731
     result = {
         "name": cfg.name, "type": cfg.model.type, "shorthand": info["shorthand"], "params": info["params"],
         "checkpoint": str(ckpt), "step": state["step"],
         "tokens_trained": state["step"] * cfg.train.micro_batch_size * cfg.train.grad_accum_steps
         * cfg.model.block_size,
-        "trained_depth": trained_depth, "val_loss": curve["loss"][curve["exit"].index(full_exit)]
-        if full_exit in curve["exit"] else None,
-        **curve, "exit_flops": exit_flops(cfg.model, curve["exit"]),
+        "trained_depth": trained_depth, "ref_exit": ref, "val_tokens": curve["val_tokens"],
+        "exit": pick("exit"), "loss": pick("loss"), "kl": pick("kl"), "top1": pick("top1"),
         "dataset_dir": cfg.data.dataset_dir, "seconds": None,
     }
+    result["val_loss"] = result["loss"][result["exit"].index(ref)]
+    if recurrent:
+        result["loss_r0"] = curve["loss"][0]
+    if "gate_mean" in curve:
+        result["gate_mean"] = pick("gate_mean")
+    result["exit_flops"] = exit_flops(cfg.model, result["exit"])
+    if ev.diagnostics:
+        result["diagnostics"] = diagnostics(model, cfg, curve, batches, n_max, ref, device)
+    if ev.tasks:
+        from pipeline.eval.downstream import run_tasks
+
+        depths = ev.task_depths or [ref]
+        result["downstream"] = run_tasks(model, cfg, list(ev.tasks), depths, ev.task_batch_size, ev.task_data_dir,
+                                         ev.task_limit, quiet=quiet)
+
     out_dir = run_dir_of(ckpt) / "eval"
     out_dir.mkdir(parents=True, exist_ok=True)
-    kind = "recurrence step r" if cfg.model.type != "gpt" else "layer"
-    plot = plot_exit_curves([result], out_dir / "early_exit.png", title=f"{cfg.name} ({info['shorthand']})")
+    overlay = [result]
+    if ev.baseline:
+        from pipeline.eval.compare import collect
+
+        overlay += [r for r in collect([ev.baseline], cfg.tracking) if r["name"] != cfg.name]
+    plots = [plot_exit_curves(overlay, out_dir / "early_exit.png", title=f"{cfg.name} ({info['shorthand']})")]
+    if ev.diagnostics:
+        plots.append(plot_diagnostics(result, out_dir / "diagnostics.png"))
+        if result["diagnostics"].get("gate_heatmaps"):
+            plots.append(plot_gate_heatmaps(result["diagnostics"]["gate_heatmaps"], out_dir / "gate_heatmap.png"))
     result["seconds"] = round(time.time() - t0, 2)
-    result["plot"] = str(plot)
+    result["plot"] = str(plots[0])
+    result["plots"] = [str(p) for p in plots]
     (out_dir / "exits.json").write_text(json.dumps(result, indent=2))
-    run_id = state.get("mlflow_run_id")
     if cfg.tracking.enabled:
-        tracker = open_tracker(cfg.tracking, cfg.name, run_id)
-        for e, loss in zip(curve["exit"], curve["loss"]):
-            tracker.log_metrics({"eval.exit_loss": loss}, step=e)
-        for e, g in zip(curve["exit"], curve.get("gate_mean") or []):
-            tracker.log_metrics({"eval.gate_mean": g}, step=e)
-        if result["val_loss"] is not None:
-            tracker.log_metrics({"eval.val_loss": result["val_loss"]}, step=state["step"])
-        tracker.log_artifact(out_dir / "exits.json", "eval")
-        tracker.log_artifact(plot, "eval")
-        tracker.close()
-        result["mlflow_run_id"] = tracker.run_id
+        result["mlflow_run_id"] = log_to_mlflow(cfg, state, result, out_dir, plots)
     if not quiet:
-        print(f"eval: {cfg.name} ({info['shorthand']}) step {state['step']}, {curve['val_tokens']:,} val tokens, "
-              f"noise off, {result['seconds']:.1f} s")
-        gates = curve.get("gate_mean") or [None] * len(curve["exit"])
-        for e, loss, g in zip(curve["exit"], curve["loss"], gates):
-            mark = "  <- trained depth" if e == trained_depth else ""
-            gate = f"  gate mean {g:.3f}" if g is not None else ""
-            print(f"  {kind} {e:>2}: loss {loss:.4f}{gate}{mark}")
-        print(f"  saved {out_dir / 'exits.json'} and {plot}")
+        print_report(result)
     return result
+
+
+def diagnostics(model, cfg, curve: dict, batches, n_max: int, ref: int, device) -> dict:
+    """Frequency bands and difficulty deciles from the per-token exit losses (both model kinds); for GRT also the
+    per-step gate/update statistics, the anchor ablations at the trained depth and the per-token gate maps."""
+    exits = curve["exit"]
+    out = {"bands": band_losses(curve["token_losses"], curve["token_ids"], exits),
+           "deciles": decile_losses(curve["token_losses"], exits, by_exit=exits[0])}
+    if cfg.model.type != "gpt":
+        out["steps"] = step_statistics(model, batches(), n_max, device)
+        out["anchor_ablation"] = anchor_ablation(model, batches(), ref, device)
+        if cfg.eval.heatmap_prompts and model.recur.gate is not None:
+            from pipeline.tokenize.bpe import gpt2_encoding
+
+            enc = gpt2_encoding()
+            out["gate_heatmaps"] = gate_heatmaps(model, list(cfg.eval.heatmap_prompts), ref, device,
+                                                 enc.encode_ordinary, lambda t: enc.decode([t]))
+    return out
+
+
+def log_to_mlflow(cfg, state: dict, result: dict, out_dir: Path, plots: list[Path]) -> str:
+    """Metrics with step = exit / recurrence step / depth, so MLflow draws them as curves; the JSON and plots as
+    artifacts under eval/."""
+    tracker = open_tracker(cfg.tracking, cfg.name, state.get("mlflow_run_id"))
+    for i, e in enumerate(result["exit"]):
+        m = {"eval.exit_loss": result["loss"][i], "eval.exit_kl": result["kl"][i], "eval.exit_top1": result["top1"][i]}
+        if result.get("gate_mean"):
+            m["eval.gate_mean"] = result["gate_mean"][i]
+        tracker.log_metrics(m, step=e)
+    tracker.log_metrics({"eval.val_loss": result["val_loss"]}, step=state["step"])
+    diag = result.get("diagnostics", {})
+    steps = diag.get("steps", {})
+    for i, r in enumerate(steps.get("step", [])):
+        tracker.log_metrics({f"eval.{k}": steps[k][i] for k in ("gate_mean", "gate_std", "gate_frac_above_095",
+                                                                 "gate_frac_below_005", "rho", "delta_fp",
+                                                                 "proposal_norm", "update_norm")
+                             if steps.get(k) and steps[k][i] is not None}, step=r)
+    if diag.get("bands"):
+        for j, e in enumerate(diag["bands"]["exit"]):
+            tracker.log_metrics({f"eval.band_loss.{name}": row["loss"][j]
+                                 for name, row in diag["bands"]["bands"].items() if row["loss"]}, step=e)
+    if diag.get("anchor_ablation"):
+        tracker.log_metrics({f"eval.anchor_loss.{k}": v for k, v in diag["anchor_ablation"]["loss"].items()},
+                            step=diag["anchor_ablation"]["depth"])
+    for depth, tasks in result.get("downstream", {}).get("depths", {}).items():
+        tracker.log_metrics({f"downstream.{task}.{metric}": value for task, row in tasks.items()
+                             for metric, value in row.items()}, step=int(depth))
+    if result.get("downstream"):
+        (out_dir / "downstream.json").write_text(json.dumps(result["downstream"], indent=2))
+        tracker.log_artifact(out_dir / "downstream.json", "eval")
+    tracker.log_artifact(out_dir / "exits.json", "eval")
+    for p in plots:
+        tracker.log_artifact(p, "eval")
+    tracker.close()
+    return tracker.run_id
+
+
+def print_report(result: dict) -> None:
+    recurrent = result["type"] != "gpt"
+    kind = "recurrence step r" if recurrent else "layer"
+    print(f"eval: {result['name']} ({result['shorthand']}) step {result['step']}, {result['val_tokens']:,} val "
+          f"tokens, noise off, {result['seconds']:.1f} s")
+    if recurrent:
+        print(f"  before any step (r=0): loss {result['loss_r0']:.4f}")
+    gates = result.get("gate_mean") or [None] * len(result["exit"])
+    for e, loss, kl, top1, g in zip(result["exit"], result["loss"], result["kl"], result["top1"], gates):
+        mark = "  <- trained depth" if recurrent and e == result["trained_depth"] else ""
+        gate = f"  gate mean {g:.3f}" if g is not None else ""
+        print(f"  {kind} {e:>2}: loss {loss:.4f}  KL to {result['ref_exit']} {kl:.4f}  top-1 agree {top1:.3f}"
+              f"{gate}{mark}")
+    steps = result.get("diagnostics", {}).get("steps")
+    if steps:
+        print("  step   rho    delta_fp  |o|      |update|" + ("  gate std  g>0.95  g<0.05" if steps.get("gate_std")
+                                                             else ""))
+        for i, r in enumerate(steps["step"]):
+            line = (f"  {r:>4}  {steps['rho'][i]:.4f}  {steps['delta_fp'][i]:.4f}    {steps['proposal_norm'][i]:7.3f}"
+                    f"  {steps['update_norm'][i]:7.3f}")
+            if steps.get("gate_std"):
+                line += (f"   {steps['gate_std'][i]:.4f}   {steps['gate_frac_above_095'][i]:.3f}"
+                         f"   {steps['gate_frac_below_005'][i]:.4f}")
+            print(line)
+    ab = result.get("diagnostics", {}).get("anchor_ablation")
+    if ab:
+        print(f"  anchor ablation at r={ab['depth']}: " + ", ".join(f"{ab['what'][k]} {v:.4f}"
+                                                                for k, v in ab["loss"].items()))
+    ds = result.get("downstream")
+    if ds:
+        from pipeline.eval.downstream import headline
+
+        print(f"  downstream ({ds['seconds']:.0f} s):")
+        for depth, tasks in ds["depths"].items():
+            cells = []
+            for task, row in tasks.items():
+                metric, value = headline(row)
+                cells.append(f"{task} {metric} {value:.4f} (n={row['items']:,})")
+            print(f"    depth {depth}: " + "; ".join(cells))
+    print(f"  saved {Path(result['plot']).parent}/: exits.json, " + ", ".join(Path(p).name for p in result["plots"]))

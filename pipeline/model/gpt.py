@@ -5,8 +5,8 @@ import torch
 import torch.nn as nn
 
 from pipeline.config import GPTConfig
-from pipeline.model.layers import (Block, LayerNorm, TokenEmbedding, block_flops_per_token, head_flops_per_token,
-                                   head_output, init_gpt2_weights)
+from pipeline.model.layers import (Block, KVCache, LayerNorm, TokenEmbedding, block_flops_per_token, cache_slot,
+                                   head_flops_per_token, head_output, init_gpt2_weights)
 
 
 class GPT(nn.Module):
@@ -26,25 +26,43 @@ class GPT(nn.Module):
         """(logits, None) without targets; (None, loss) with them (the fused loss never builds the logits)."""
         return head_output(self.lm_head, self.ln_f(h), targets)
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, n_steps: int | None = None):
-        """(logits, None) without targets, (None, loss) with them. ``n_steps`` exists for interface parity with
-        recurrent models and must be None."""
-        if n_steps is not None:
-            raise ValueError("the dense GPT has no recurrence steps; n_steps must be None")
-        h = self.embed(idx)
-        for block in self.blocks:
-            h = block(h)
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, n_steps: int | None = None,
+                cache: KVCache | None = None):
+        """(logits, None) without targets, (None, loss) with them. ``n_steps`` is the exit layer (default: all
+        layers), the dense counterpart of a recurrent model's depth. With a ``cache``, ``idx`` holds only the new
+        tokens and attends to the cached ones."""
+        n = self._exit_layer(n_steps)
+        start = cache.begin() if cache is not None else 0
+        h = self.embed(idx, start)
+        for block in self.blocks[:n]:
+            h = block(h, cache_slot(cache))
+        if cache is not None:
+            cache.advance(idx.shape[1])
         return self.head(h, targets)
+
+    def exit_states(self, idx: torch.Tensor, exits):
+        """One pass, yielding (layer l, final-LN'd states after layer l) for each l in ``exits``."""
+        wanted = sorted(set(exits))
+        h = self.embed(idx)
+        for l, block in enumerate(self.blocks[: self._exit_layer(wanted[-1])], 1):
+            h = block(h)
+            if l in wanted:
+                yield l, self.ln_f(h)
 
     @torch.no_grad()
     def exit_losses(self, idx: torch.Tensor, targets: torch.Tensor, n_steps: int | None = None) -> dict:
         """Loss when exiting after each layer l = 1..L through the final LN and head, in one pass."""
-        h = self.embed(idx)
-        losses = []
-        for block in self.blocks[: n_steps or len(self.blocks)]:
-            h = block(h)
-            losses.append(self.head(h, targets)[1].item())
-        return {"exit": list(range(1, len(losses) + 1)), "loss": losses}
+        exits = range(1, self._exit_layer(n_steps) + 1)
+        losses = [head_output(self.lm_head, s, targets)[1].item() for _, s in self.exit_states(idx, exits)]
+        return {"exit": list(exits), "loss": losses}
+
+    def _exit_layer(self, n_steps: int | None) -> int:
+        L = self.cfg.n_layer
+        if n_steps is None:
+            return L
+        if not 1 <= n_steps <= L:
+            raise ValueError(f"exit layer n_steps={n_steps} is outside 1..{L} (model.n_layer) of this dense model")
+        return n_steps
 
     # ---- accounting (pure functions of the config; `grt info` and the trainer's tokens/s and FLOPs use them)
     def train_depth(self, seed: int, step: int) -> None:

@@ -20,8 +20,8 @@ import torch.nn.functional as F
 
 from ops import gated_update
 from pipeline.config import GRTConfig
-from pipeline.model.layers import (Block, LayerNorm, TokenEmbedding, block_flops_per_token, head_flops_per_token,
-                                   head_output, init_gpt2_weights)
+from pipeline.model.layers import (Block, KVCache, LayerNorm, TokenEmbedding, block_flops_per_token, cache_slot,
+                                   head_flops_per_token, head_output, init_gpt2_weights)
 
 
 class Gate(nn.Module):
@@ -55,18 +55,24 @@ class RecurrentStep(nn.Module):
         self.blocks = nn.ModuleList(Block(d, cfg.n_head, cfg.dropout, cfg.bias) for _ in range(cfg.n_core))
         self.gate = Gate(d, cfg.gate_bias_init, cfg.bias) if cfg.gate == "elementwise" else None
 
-    def forward(self, h: torch.Tensor, h_pre: torch.Tensor, noise: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def proposal(self, h: torch.Tensor, h_pre: torch.Tensor, noise: bool, cache: KVCache | None = None):
+        """o = core(W_proj([h + eps_x, h_pre])): what the step would write with the gate fully open."""
         cfg = self.cfg
         x = h
         if noise and cfg.state_noise == "every_step" and cfg.sigma_x > 0:
             x = h + cfg.sigma_x * torch.randn_like(h)
         o = self.proj(torch.cat([x, h_pre], dim=-1)) if self.proj is not None else x
         for block in self.blocks:
-            o = block(o)
+            o = block(o, cache_slot(cache))
+        return o
+
+    def forward(self, h: torch.Tensor, h_pre: torch.Tensor, noise: bool,
+                cache: KVCache | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(h^(r), g^(r)); g is None without a gate (the state is replaced by the proposal)."""
+        o = self.proposal(h, h_pre, noise, cache)
         if self.gate is None:
             return o, None
-        z = self.gate(h, h_pre)
-        return gated_update(z, h, o, cfg.tau, cfg.sigma_g if noise else 0.0)
+        return gated_update(self.gate(h, h_pre), h, o, self.cfg.tau, self.cfg.sigma_g if noise else 0.0)
 
 
 @dataclass
@@ -97,11 +103,11 @@ class GRT(nn.Module):
         self.lm_head.weight = self.embed.wte.weight  # tied head
 
     # ------------------------------------------------------------------------------------------------ forward
-    def encode(self, idx: torch.Tensor) -> torch.Tensor:
+    def encode(self, idx: torch.Tensor, start: int = 0, cache: KVCache | None = None) -> torch.Tensor:
         """Embeddings and prelude: h_pre, the fixed anchor of every recurrence step."""
-        h = self.embed(idx)
+        h = self.embed(idx, start)
         for block in self.prelude:
-            h = block(h)
+            h = block(h, cache_slot(cache))
         return h
 
     def initial_state(self, h_pre: torch.Tensor, noise: bool) -> torch.Tensor:
@@ -120,39 +126,58 @@ class GRT(nn.Module):
             h = h + cfg.sigma_x * torch.randn_like(h)
         return h
 
-    def decode(self, h: torch.Tensor, targets: torch.Tensor | None):
+    def decode(self, h: torch.Tensor, targets: torch.Tensor | None, cache: KVCache | None = None):
         """Coda, final LN and the tied head applied to a recurrent state: (logits, None) without targets,
         (None, loss) with them (the fused loss never builds the logits)."""
-        for block in self.coda:
-            h = block(h)
-        return head_output(self.lm_head, self.ln_f(h), targets)
+        return head_output(self.lm_head, self.readout(h, cache), targets)
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, n_steps: int | None = None):
+    def readout(self, h: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        """Coda and final LN: the states the head reads."""
+        for block in self.coda:
+            h = block(h, cache_slot(cache))
+        return self.ln_f(h)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, n_steps: int | None = None,
+                cache: KVCache | None = None):
         """(logits, None) without targets, (None, loss) with them. ``n_steps`` defaults to R; noise is on exactly
-        when the module is in training."""
+        when the module is in training. With a ``cache``, ``idx`` holds only the new tokens."""
         n = self.cfg.n_recurrence if n_steps is None else n_steps
         noise = self.training
-        h_pre = self.encode(idx)
+        start = cache.begin() if cache is not None else 0
+        h_pre = self.encode(idx, start, cache)
         h = self.initial_state(h_pre, noise)
         for _ in range(n):
-            h, _ = self.recur(h, h_pre, noise)
-        return self.decode(h, targets)
+            h, _ = self.recur(h, h_pre, noise, cache)
+        out = self.decode(h, targets, cache)
+        if cache is not None:
+            cache.advance(idx.shape[1])
+        return out
+
+    def exit_states(self, idx: torch.Tensor, exits, with_gates: bool = False):
+        """One pass (noise off), yielding (r, coda + final LN of h^(r)) for each r in ``exits`` (0 = the initial
+        state), and the gate's mean at r when ``with_gates``."""
+        wanted = sorted(set(exits))
+        h_pre = self.encode(idx)
+        h = self.initial_state(h_pre, noise=False)
+        g = None
+        for r in range(wanted[-1] + 1):
+            if r > 0:
+                h, g = self.recur(h, h_pre, noise=False)
+            if r in wanted:
+                states = self.readout(h)
+                yield (r, states, None if g is None else g.float().mean().item()) if with_gates else (r, states)
 
     @torch.no_grad()
     def exit_losses(self, idx: torch.Tensor, targets: torch.Tensor, n_steps: int | None = None) -> dict:
         """The early-exit curve in one pass: loss after every step r = 1..n (coda + head on each h^(r)), noise off,
         and the gate's mean per step."""
         n = self.cfg.n_recurrence if n_steps is None else n_steps
-        h_pre = self.encode(idx)
-        h = self.initial_state(h_pre, noise=False)
-        loss_r0 = self.decode(h, targets)[1].item()
         losses, gates = [], []
-        for _ in range(n):
-            h, g = self.recur(h, h_pre, noise=False)
-            losses.append(self.decode(h, targets)[1].item())
+        for r, states, g in self.exit_states(idx, range(n + 1), with_gates=True):
+            losses.append(head_output(self.lm_head, states, targets)[1].item())
             if g is not None:
-                gates.append(g.float().mean().item())
-        return vars(ExitCurve(list(range(1, n + 1)), losses, gates or None, loss_r0))
+                gates.append(g)
+        return vars(ExitCurve(list(range(1, n + 1)), losses[1:], gates or None, losses[0]))
 
     # --------------------------------------------------------------------------------------------- accounting
     def train_depth(self, seed: int, step: int) -> int:

@@ -32,11 +32,19 @@ class CausalSelfAttention(nn.Module):
         self.dropout = dropout
         self.resid_dropout = nn.Dropout(dropout)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, kv: "KVSlot | None" = None) -> torch.Tensor:
         B, T, C = x.shape
         q, k, v = self.c_attn(x).split(C, dim=2)
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)
+        if kv is not None:
+            k, v = kv.extend(k, v)
+        past = k.shape[2] - T
+        if past == 0:
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0,
+                                               is_causal=True)
+        else:  # new queries see every cached position and the new ones causally
+            mask = torch.ones(T, past + T, dtype=torch.bool, device=x.device).tril(past)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         y = y.transpose(1, 2).contiguous().view(B, T, C)
         return self.resid_dropout(self.c_proj(y))
 
@@ -63,9 +71,51 @@ class Block(nn.Module):
         self.ln_2 = LayerNorm(d_model, bias)
         self.mlp = MLP(d_model, dropout, bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x))
+    def forward(self, x: torch.Tensor, kv: "KVSlot | None" = None) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), kv)
         return x + self.mlp(self.ln_2(x))
+
+
+class KVSlot:
+    """Keys and values of one block execution, grown as tokens are decoded."""
+
+    def __init__(self):
+        self.k = self.v = None
+
+    def extend(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self.k = k if self.k is None else torch.cat([self.k, k], dim=2)
+        self.v = v if self.v is None else torch.cat([self.v, v], dim=2)
+        return self.k, self.v
+
+
+class KVCache:
+    """Incremental-decoding cache: one slot per block *execution* in call order (a GRT core block run at r steps
+    has r slots, since its keys and values differ at every step) and the number of positions already cached.
+    A model's forward calls ``begin`` once, ``slot`` for each block execution and ``advance`` at the end."""
+
+    def __init__(self):
+        self.slots: list[KVSlot] = []
+        self.pos = 0
+        self._cursor = 0
+
+    def begin(self) -> int:
+        self._cursor = 0
+        return self.pos
+
+    def slot(self) -> KVSlot:
+        if self._cursor == len(self.slots):
+            if self.pos > 0:
+                raise RuntimeError("the cache was filled at another depth; decode with the same n_steps throughout")
+            self.slots.append(KVSlot())
+        self._cursor += 1
+        return self.slots[self._cursor - 1]
+
+    def advance(self, n_tokens: int) -> None:
+        self.pos += n_tokens
+
+
+def cache_slot(cache: KVCache | None) -> KVSlot | None:
+    return cache.slot() if cache is not None else None
 
 
 class TokenEmbedding(nn.Module):
@@ -78,12 +128,12 @@ class TokenEmbedding(nn.Module):
         self.drop = nn.Dropout(dropout)
         self.block_size = block_size
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+    def forward(self, idx: torch.Tensor, start: int = 0) -> torch.Tensor:
         T = idx.shape[1]
-        if T > self.block_size:
-            raise ValueError(f"sequence length {T} exceeds model.block_size={self.block_size}; "
+        if start + T > self.block_size:
+            raise ValueError(f"sequence length {start + T} exceeds model.block_size={self.block_size}; "
                              f"shorten the input or raise model.block_size")
-        pos = torch.arange(T, device=idx.device)
+        pos = torch.arange(start, start + T, device=idx.device)
         return self.drop(self.wte(idx) + self.wpe(pos))
 
 

@@ -127,7 +127,9 @@ class Trainer:
         self.tracker = None
         if self.backend.is_main:
             (self.run_dir / "recipe.yaml").write_text(cfg.to_yaml())
-            self.tracker = open_tracker(cfg.tracking, cfg.name, self.tracker_run_id, {"model.type": cfg.model.type})
+            self.tracker = open_tracker(cfg.tracking, cfg.name, self.tracker_run_id,
+                                        {**{k: str(v) for k, v in cfg.tracking.tags.items()},
+                                         "model.type": cfg.model.type})
             if self.tracker.run_id:
                 self.tracker_run_id = self.tracker.run_id
                 (self.run_dir / "run.json").write_text(json.dumps(

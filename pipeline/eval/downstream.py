@@ -1,0 +1,67 @@
+"""Downstream tasks through lm-evaluation-harness: ``grt eval RUN eval.tasks=[piqa,...] eval.task_depths=[2,4]``.
+
+Every depth is scored by lm-eval's own evaluator (prompts, metrics, aggregation, standard errors) with the ``grt``
+adapter; the adapters of all depths share one :class:`DepthScorer`, so each batch runs the model once and reads the
+log-likelihoods at every requested depth from that pass.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+from pipeline.config import LOCAL_TASKS
+
+TASKS_DIR = Path(__file__).parent / "tasks"
+
+
+def run_tasks(model, cfg, tasks: list[str], depths: list[int], batch_size: int, data_dir: str | None = None,
+              limit: int | None = None, quiet: bool = False) -> dict:
+    """{"depths": {depth: {task: {metric: value, metric_stderr: ..., "items": n}}}, "seconds": ...}"""
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    from pipeline.eval.harness import DepthScorer, GRTLM
+
+    if quiet:
+        logging.getLogger("lm_eval").setLevel(logging.WARNING)
+    t0 = time.time()
+    manager = TaskManager(include_path=str(TASKS_DIR), include_defaults=False,
+                          metadata={"data_dir": data_dir} if data_dir else None)
+    unknown = [t for t in tasks if t not in manager.all_tasks]
+    if unknown:
+        raise ValueError(f"eval.tasks: unknown task(s) {unknown}; the local task configs are {list(LOCAL_TASKS)}")
+    first = GRTLM(model=model, cfg=cfg, n_steps=depths[0], batch_size=batch_size)
+    scorer = DepthScorer(model, depths, first.batch_size, first.max_length, first.eot_token_id)
+    out: dict = {"tasks": list(tasks), "depths": {}, "limit": limit}
+    for depth in depths:
+        lm = GRTLM(model=model, cfg=cfg, n_steps=depth, batch_size=batch_size, scorer=scorer)
+        res = lm_eval.simple_evaluate(model=lm, tasks=list(tasks), task_manager=manager, limit=limit,
+                                      log_samples=False, bootstrap_iters=1000, verbosity="WARNING")
+        out["depths"][depth] = task_metrics(res)
+    out["seconds"] = round(time.time() - t0, 1)
+    return out
+
+
+def task_metrics(res: dict) -> dict:
+    """lm-eval's results -> {task: {metric: value, metric_stderr: value, "items": evaluated items}}."""
+    table = {}
+    for task, metrics in res["results"].items():
+        row = {}
+        for key, value in metrics.items():
+            if "," not in key or not isinstance(value, (int, float)):
+                continue
+            metric, _filter = key.split(",", 1)
+            row[metric] = float(value)
+        row["items"] = int(res["n-samples"][task]["effective"])
+        table[task] = row
+    return table
+
+
+def headline(metrics: dict) -> tuple[str, float]:
+    """The metric a table shows for a task: acc_norm where lm-eval reports it, else acc."""
+    for name in ("acc_norm", "acc"):
+        if name in metrics:
+            return name, metrics[name]
+    name = next(k for k in metrics if k != "items" and not k.endswith("_stderr"))
+    return name, metrics[name]

@@ -1,0 +1,356 @@
+"""The evaluation stage against independent references: log-probabilities taken by hand from full forwards, the
+paper's Eq. 3 / Eq. 4 written out from the model's submodules, KL and top-1 from full logits, lm-eval's own
+rolling windows, uncached greedy decoding."""
+import bz2
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pipeline.config import from_dict
+from pipeline.eval.dynamics import anchor_ablation, band_losses, decile_losses, step_statistics, trace_steps
+from pipeline.eval.exits import exit_curve
+from pipeline.eval.harness import DepthScorer, GRTLM
+from pipeline.eval.scoring import greedy_generate
+from pipeline.model import build_model
+from pipeline.tokenize.bpe import gpt2_encoding
+
+from conftest import SHARED_DATA, tiny_recipe
+from test_model import block, ln, linear
+
+ENC = gpt2_encoding()
+PAIRS = [("The gate decides how much", " of the state"), ("A", " b c d e f"), ("", "Hello world"),
+         ("the shared core proposes " * 12, " an update"),  # context longer than block_size: left-truncated
+         ("one two", " three"), ("x" * 3, " y")]
+
+
+def small(model_type: str):
+    """A tiny model on the real GPT-2 vocabulary (so the adapter's tokenizer applies), weights moved off init."""
+    torch.manual_seed(1)
+    recipe = tiny_recipe(Path("/tmp"), Path("/tmp"), {"d_model": 16, "n_head": 2})
+    if model_type == "gpt":
+        recipe["model"] = {"type": "gpt", "block_size": 32, "d_model": 16, "n_head": 2, "n_layer": 3}
+    cfg = from_dict(recipe)
+    model = build_model(cfg.model).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.2 * torch.randn_like(p))
+        if model_type == "grt":
+            model.recur.gate.fc2.bias.normal_(0.0, 1.0)
+    return model, cfg
+
+
+class Req:  # the part of lm-eval's Instance the adapter reads
+    def __init__(self, *args):
+        self.args = args
+
+
+def direct_loglikelihood(model, ctx: str, cont: str, n_steps, block_size: int) -> tuple[float, bool]:
+    """By hand: encode context + continuation as lm-eval does (trailing context spaces move to the continuation,
+    an empty context becomes the EOT token), run one full forward on the last block_size + 1 tokens, read the
+    continuation's log-probabilities."""
+    if ctx:
+        stripped = ctx.rstrip()
+        ctx, cont = stripped, ctx[len(stripped):] + cont
+        whole, c = ENC.encode_ordinary(ctx + cont), ENC.encode_ordinary(ctx)
+        ctx_ids, cont_ids = c, whole[len(c):]
+    else:
+        ctx_ids, cont_ids = [ENC.eot_token], ENC.encode_ordinary(cont)
+    seq = (ctx_ids + cont_ids)[-(block_size + 1):]
+    logits, _ = model(torch.tensor([seq[:-1]]), n_steps=n_steps)
+    logp = torch.log_softmax(logits[0].double(), -1)
+    n = len(cont_ids)
+    pos = range(len(seq) - 1 - n, len(seq) - 1)
+    ll = sum(logp[p, t].item() for p, t in zip(pos, cont_ids))
+    greedy = all(logp[p].argmax().item() == t for p, t in zip(pos, cont_ids))
+    return ll, greedy
+
+
+@pytest.mark.parametrize("model_type,n_steps", [("grt", None), ("grt", 2), ("grt", 5), ("gpt", None), ("gpt", 2)])
+def test_adapter_loglikelihood_equals_direct_log_probs_at_any_batch_size(model_type, n_steps):
+    model, cfg = small(model_type)
+    want = [direct_loglikelihood(model, c, t, n_steps, cfg.model.block_size) for c, t in PAIRS]
+    for bs in (1, 2, 64):
+        lm = GRTLM(model=model, cfg=cfg, n_steps=n_steps, batch_size=bs)
+        got = lm.loglikelihood([Req(c, t) for c, t in PAIRS], disable_tqdm=True)
+        for (ll, greedy), (w_ll, w_greedy) in zip(got, want):
+            assert ll == pytest.approx(w_ll, abs=1e-4)
+            assert greedy == w_greedy
+    assert all(ll < 0 for ll, _ in want)
+
+
+def test_one_forward_serves_every_depth():
+    model, cfg = small("grt")
+    reqs = [(ENC.encode_ordinary(c) or [ENC.eot_token], ENC.encode_ordinary(t)) for c, t in PAIRS]
+    shared = DepthScorer(model, [1, 3, 6], 4, cfg.model.block_size, ENC.eot_token)
+    for depth in (1, 3, 6):
+        alone = DepthScorer(model, [depth], 4, cfg.model.block_size, ENC.eot_token)
+        for (a, ga), (b, gb) in zip(shared.loglikelihoods(reqs, depth, False), alone.loglikelihoods(reqs, depth, False)):
+            assert a == pytest.approx(b, abs=1e-5) and ga == gb
+
+
+@pytest.mark.parametrize("model_type", ["grt", "gpt"])
+def test_loglikelihood_rolling_against_lm_evals_windows(model_type):
+    from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+
+    model, cfg = small(model_type)
+    lm = GRTLM(model=model, cfg=cfg, batch_size=3)
+    short, long = "a short text of a few words", " ".join(f"word{i}" for i in range(60))  # long > block_size
+    got = lm.loglikelihood_rolling([Req(short), Req(long)], disable_tqdm=True)
+    # short: every token scored from the EOT prefix on, in one full forward
+    ids = ENC.encode_ordinary(short)
+    logits, _ = model(torch.tensor([[ENC.eot_token] + ids[:-1]]))
+    want_short = torch.log_softmax(logits[0].double(), -1).gather(1, torch.tensor(ids)[:, None]).sum().item()
+    assert got[0] == pytest.approx(want_short, abs=1e-4)
+    # long: lm-eval's own windows, each one full forward
+    total = 0.0
+    for ctx, pred in (make_disjoint_window(w) for w in get_rolling_token_windows(
+            ENC.encode_ordinary(long), ENC.eot_token, cfg.model.block_size, 1)):
+        seq = (ctx + pred)[-(cfg.model.block_size + 1):]
+        lp = torch.log_softmax(model(torch.tensor([seq[:-1]]))[0][0].double(), -1)
+        total += sum(lp[len(seq) - 1 - len(pred) + i, t].item() for i, t in enumerate(pred))
+    assert got[1] == pytest.approx(total, abs=1e-3)
+    assert len(ENC.encode_ordinary(long)) > cfg.model.block_size
+
+
+@pytest.mark.parametrize("model_type,n_steps", [("grt", None), ("grt", 2), ("gpt", None)])
+def test_kv_cache_generation_equals_uncached_greedy(model_type, n_steps):
+    model, cfg = small(model_type)
+    prompts = [ENC.encode_ordinary("the gate decides")[:3], ENC.encode_ordinary("a shared core is")[:3]]
+    got = greedy_generate(model, prompts, 12, n_steps, cfg.model.block_size)
+    for p, g in zip(prompts, got):
+        seq = list(p)
+        for _ in range(12):
+            seq.append(model(torch.tensor([seq]), n_steps=n_steps)[0][0, -1].argmax().item())
+        assert g == seq[len(p):]
+
+
+def test_generate_until_honours_stop_sequences():
+    model, cfg = small("grt")
+    lm = GRTLM(model=model, cfg=cfg, batch_size=2, max_gen_toks=10)
+    free = lm.generate_until([Req("the gate", {"until": ["\u2603"]})], disable_tqdm=True)[0]
+    assert len(ENC.encode_ordinary(free)) >= 5
+    stop = free[len(free) // 2:len(free) // 2 + 2]
+    cut = lm.generate_until([Req("the gate", {"until": [stop]}), Req("the gate", {"until": ["\u2603"],
+                                                                                  "max_gen_toks": 3})],
+                            disable_tqdm=True)
+    assert cut[0] == free.split(stop)[0] and stop not in cut[0]
+    assert cut[1] == ENC.decode(ENC.encode_ordinary(free)[:3])
+
+
+# ------------------------------------------------------------------------------------- early exits and dynamics
+def test_exit_curve_loss_kl_top1_from_full_logits():
+    model, cfg = small("grt")
+    torch.manual_seed(3)
+    x, y = torch.randint(0, 50257, (3, 32)), torch.randint(0, 50257, (3, 32))
+    res = exit_curve(model, [(x, y)], list(range(0, 7)), 3, torch.device("cpu"), keep_tokens=True)
+    ref = torch.log_softmax(model(x, n_steps=3)[0].double(), -1)
+    for j, r in enumerate(res["exit"]):
+        lp = torch.log_softmax(model(x, n_steps=r)[0].double(), -1)
+        assert res["loss"][j] == pytest.approx(F.nll_loss(lp.flatten(0, 1), y.flatten()).item(), abs=1e-4)
+        kl = (lp.exp() * (lp - ref)).sum(-1).mean().item()
+        assert res["kl"][j] == pytest.approx(kl, abs=1e-5)
+        assert res["top1"][j] == pytest.approx((lp.argmax(-1) == ref.argmax(-1)).double().mean().item())
+    assert res["kl"][3] == 0 and res["top1"][3] == 1
+    one_pass = model.exit_losses(x, y, 6)  # checked against separate forwards in test_model
+    assert res["loss"] == pytest.approx([one_pass["loss_r0"]] + one_pass["loss"], abs=1e-4)
+    assert res["token_losses"].shape == (96, 7)
+
+
+def test_dense_exit_curve_per_layer():
+    model, cfg = small("gpt")
+    x, y = torch.randint(0, 50257, (2, 32)), torch.randint(0, 50257, (2, 32))
+    res = exit_curve(model, [(x, y)], [1, 2, 3], 3, torch.device("cpu"))
+    assert res["loss"] == pytest.approx(model.exit_losses(x, y)["loss"], abs=1e-4)
+    assert res["top1"][-1] == 1.0 and res["kl"][-1] == 0.0
+
+
+def test_step_statistics_follow_eq3_and_eq4_by_hand():
+    model, cfg = small("grt")
+    x = torch.randint(0, 50257, (2, 32))
+    stats = step_statistics(model, [(x, None)], 4, torch.device("cpu"))
+    rs, tau = model.recur, model.cfg.tau
+    with torch.no_grad():
+        h = h_pre = model.encode(x)  # init_state = prelude
+        for r in range(1, 5):
+            o = linear(torch.cat([h, h_pre], -1), rs.proj)
+            for b in rs.blocks:
+                o = block(b, o)
+            u = torch.cat([ln(h, rs.gate.ln_h.weight, rs.gate.ln_h.bias),
+                           ln(h_pre, rs.gate.ln_pre.weight, rs.gate.ln_pre.bias)], -1)
+            a = linear(u, rs.gate.fc1)
+            g = torch.sigmoid(linear(a * torch.sigmoid(a), rs.gate.fc2) / tau)
+            new = g * h + (1 - g) * o
+            i = r - 1
+            assert stats["rho"][i] == pytest.approx(((1 - g) * (o - h)).norm().item() / (o - h).norm().item(),
+                                                    rel=1e-4)
+            assert stats["delta_fp"][i] == pytest.approx((new - h).norm().item() / h.norm().item(), rel=1e-4)
+            assert stats["proposal_norm"][i] == pytest.approx(o.norm(dim=-1).mean().item(), rel=1e-4)
+            assert stats["update_norm"][i] == pytest.approx((new - h).norm(dim=-1).mean().item(), rel=1e-4)
+            assert stats["gate_mean"][i] == pytest.approx(g.mean().item(), rel=1e-5)
+            assert stats["gate_std"][i] == pytest.approx(g.std(unbiased=False).item(), rel=1e-3)
+            assert stats["gate_frac_above_095"][i] == pytest.approx((g > 0.95).double().mean().item())
+            h = new
+
+
+def test_anchor_ablations_and_forced_gates():
+    model, cfg = small("grt")
+    x, y = torch.randint(0, 50257, (2, 32)), torch.randint(0, 50257, (2, 32))
+    ab = anchor_ablation(model, [(x, y)], 3, torch.device("cpu"))["loss"]
+    curve = model.exit_losses(x, y, 3)
+    assert ab["prelude"] == pytest.approx(curve["loss"][-1], abs=1e-4)  # the model as trained
+    assert ab["gate1"] == pytest.approx(curve["loss_r0"], abs=1e-4)  # never updating = no recurrence
+    with torch.no_grad():  # gate = 0: h = o each step; 'previous' anchor: h_pre replaced by h^(r-1)
+        h_pre = model.encode(x)
+        h0 = h1 = h_pre
+        for _ in range(3):
+            h0 = model.recur.proposal(h0, h_pre, noise=False)
+            h1, _ = model.recur(h1, h1, noise=False)
+        for key, h in (("gate0", h0), ("previous", h1)):
+            lp = torch.log_softmax(model.decode(h, None)[0].double(), -1)
+            assert ab[key] == pytest.approx(F.nll_loss(lp.flatten(0, 1), y.flatten()).item(), abs=1e-4)
+    assert len({round(v, 4) for v in ab.values()}) == len(ab)  # each variant changes the model
+    assert [r for r, *_ in trace_steps(model, x, 2, "embedding")] == [1, 2]
+
+
+def test_bands_and_deciles_by_hand():
+    losses = torch.tensor([[4.0, 3.0], [6.0, 2.0], [1.0, 1.0], [8.0, 4.0]] * 5)
+    ids = torch.tensor([10, 300, 5000, 40000] * 5)
+    b = band_losses(losses, ids, [0, 1])["bands"]
+    assert b["bytes"]["loss"] == [4.0, 3.0] and b["common"]["loss"] == [6.0, 2.0]
+    assert b["medium"]["loss"] == [1.0, 1.0] and b["rare"]["loss"] == [8.0, 4.0] and b["rare"]["tokens"] == 5
+    d = decile_losses(losses, [0, 1], by_exit=0)
+    assert d["tokens"] == [2] * 10
+    assert d["loss"][0] == [1.0, 1.0] and d["loss"][-1] == [8.0, 4.0] and d["improvement"][-1] == 4.0
+
+
+# ------------------------------------------------------------------------------------------ downstream tasks
+def make_task_data(root: Path, n: int = 6) -> Path:
+    """Files in the layout of shared/data/eval, n items per task."""
+    def jl(rel, rows):
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    jl("lambada/original/lambada_test.jsonl", [{"text": f"the gate keeps the state number {i}"} for i in range(n)])
+    hs = []
+    for i in range(n):
+        hs += [f"Label {i}: A man sits on a roof. he", str(i % 4), "jumps.", "sings a song.", "eats.", "sleeps."]
+    (root / "hellaswag/klosax_llamacpp_format").mkdir(parents=True)
+    (root / "hellaswag/klosax_llamacpp_format/hellaswag_val_full.txt.bz2").write_bytes(
+        bz2.compress(("\n".join(hs) + "\n").encode()))
+    for name in ("arc_easy", "arc_challenge"):
+        jl(f"{name}/mosaic_icl/{name}.jsonl", [{"query": f"Question: what is {i}?", "choices": ["a", "b", "c", "d"],
+                                                "gold": i % 4} for i in range(n)])
+    jl("piqa/original/valid.jsonl", [{"goal": f"goal {i}", "sol1": "do this", "sol2": "do that"} for i in range(n)])
+    (root / "piqa/original/valid-labels.lst").write_text("".join(f"{i % 2}\n" for i in range(n)))
+    jl("boolq/hf_olmo/validation.jsonl", [{"question": "is it", "passage": f"passage {i}", "answer": i % 2 == 0}
+                                          for i in range(n)])
+    jl("winogrande/hf_olmo/validation.jsonl", [{"sentence": f"Tom beat Bob so _ won {i}.", "option1": "Tom",
+                                                "option2": "Bob", "answer": "1"} for i in range(n)])
+    return root
+
+
+def test_local_task_prompts_match_lm_evals_templates(tmp_path):
+    from lm_eval.tasks import TaskManager
+
+    from pipeline.eval.downstream import TASKS_DIR
+
+    root = make_task_data(tmp_path / "eval")
+    tm = TaskManager(include_path=str(TASKS_DIR), include_defaults=False, metadata={"data_dir": str(root)})
+    tasks = tm.load(["arc_easy", "piqa", "boolq", "winogrande", "hellaswag", "lambada_openai"])["tasks"]
+    doc = lambda t: next(iter(tasks[t].eval_docs))  # noqa: E731
+    assert tasks["arc_easy"].doc_to_text(doc("arc_easy")) == "Question: what is 0?\nAnswer:"
+    assert tasks["piqa"].doc_to_text(doc("piqa")) == "Question: goal 0\nAnswer:"
+    assert tasks["piqa"].doc_to_choice(doc("piqa")) == ["do this", "do that"]
+    assert tasks["boolq"].doc_to_text(doc("boolq")) == "passage 0\nQuestion: is it?\nAnswer:"
+    assert tasks["boolq"].doc_to_target(doc("boolq")) == 1
+    assert tasks["winogrande"].doc_to_choice(doc("winogrande")) == ["Tom beat Bob so Tom", "Tom beat Bob so Bob"]
+    assert tasks["hellaswag"].doc_to_text(doc("hellaswag")) == "Label 0: A man sits on a roof. He"
+    assert tasks["lambada_openai"].doc_to_target(doc("lambada_openai")) == " 0"
+    assert all(len(t.eval_docs) == 6 for t in tasks.values())
+
+
+@pytest.mark.skipif(not (SHARED_DATA / "eval").is_dir(), reason="needs ../shared/data/eval")
+def test_local_task_files_give_the_published_item_counts():
+    from pipeline.eval.tasks import local_data as ld
+
+    root = str(SHARED_DATA / "eval")
+    counts = {"lambada": ("test", 5153), "hellaswag": ("validation", 10042), "arc_easy": ("test", 2376),
+              "arc_challenge": ("test", 1172), "piqa": ("validation", 1838), "boolq": ("validation", 3270),
+              "winogrande": ("validation", 1267)}
+    for name, (split, n) in counts.items():
+        assert len(getattr(ld, name)(data_dir=root)[split]) == n, name
+
+
+def test_grt_eval_and_lm_eval_shell_give_the_same_numbers(tmp_path, corpus):
+    """Train a tiny run, score it with `grt eval eval.tasks=...` and with the `lm_eval` command: same metrics;
+    the item counts equal the files'; MLflow has the per-depth metrics and the JSON artifact."""
+    from pipeline.eval.stage import evaluate
+    from pipeline.tokenize import tokenize
+    from pipeline.train.trainer import Trainer
+
+    data = make_task_data(tmp_path / "eval", n=8)
+    cfg = from_dict(tiny_recipe(tmp_path, corpus, tracking={"enabled": True}))
+    tokenize(cfg.data, quiet=True)
+    Trainer(cfg).fit()
+    tasks = ["piqa", "arc_easy", "lambada_openai", "winogrande"]
+    res = evaluate(cfg.run_dir, [f"eval.tasks=[{','.join(tasks)}]", "eval.task_depths=[1,3]",
+                                 f"eval.task_data_dir={data}", "eval.task_batch_size=3"], quiet=True)
+    ours = res["downstream"]["depths"]
+    assert set(ours) == {1, 3} and all(ours[1][t]["items"] == 8 for t in tasks)
+    lm_eval = Path(sys.executable).parent / "lm_eval"
+    out = subprocess.run([str(lm_eval), "--model", "grt", "--model_args", f"checkpoint={cfg.run_dir},n_steps=3",
+                          "--tasks", ",".join(tasks), "--include_path", "pipeline/eval/tasks", "--batch_size", "5",
+                          "--metadata", json.dumps({"data_dir": str(data)}), "--output_path", str(tmp_path / "o")],
+                         capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1], timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    theirs = json.loads(next((tmp_path / "o").rglob("results_*.json")).read_text())["results"]
+    for t in tasks:
+        for metric in ("acc", "acc_norm", "perplexity"):
+            if metric in ours[3][t]:
+                assert theirs[t][f"{metric},none"] == pytest.approx(ours[3][t][metric], rel=1e-6), (t, metric)
+    from mlflow.tracking import MlflowClient
+    client = MlflowClient(cfg.tracking.uri)
+    hist = client.get_metric_history(res["mlflow_run_id"], "downstream.piqa.acc")
+    assert sorted(m.step for m in hist) == [1, 3]
+    arts = {a.path for a in client.list_artifacts(res["mlflow_run_id"], "eval")}
+    assert {"eval/downstream.json", "eval/diagnostics.png", "eval/gate_heatmap.png", "eval/exits.json"} <= arts
+
+
+def test_compare_formats_and_downstream_table(tmp_path):
+    from pipeline.cli import main
+
+    def run(name, val, depths):
+        d = tmp_path / name / "eval"
+        d.mkdir(parents=True)
+        res = {"name": name, "type": "grt", "shorthand": "1+1x4+1", "params": 7.1e6, "step": 200,
+               "tokens_trained": 204800, "val_loss": val, "exit": [1, 2], "loss": [val + 0.1, val],
+               "kl": [0.1, 0.0], "top1": [0.9, 1.0], "exit_flops": [1e6, 2e6], "trained_depth": 2,
+               "downstream": {"depths": {str(k): {"piqa": {"acc": a, "acc_norm": a + 0.01, "acc_stderr": 0.01,
+                                                           "items": 1838}} for k, a in depths.items()}}}
+        (d / "exits.json").write_text(json.dumps(res))
+        return str(tmp_path / name)
+    a, b = run("runA", 4.5, {2: 0.55}), run("runB", 4.4, {2: 0.6, 4: 0.61})
+    import contextlib
+    import io
+    for fmt in ("csv", "markdown", "json"):
+        buf = io.StringIO()
+        with contextlib.redirect_stdout(buf):
+            assert main(["compare", a, b, "--format", fmt, "--out", str(tmp_path / "cmp")]) == 0
+        text = buf.getvalue()
+        if fmt == "json":
+            rows = json.loads(text)
+            assert [r["name"] for r in rows] == ["runA", "runB"] and rows[1]["val_loss"] == 4.4
+        elif fmt == "csv":
+            exits, down = text.strip().split("\n\n")
+            assert exits.splitlines()[0].startswith("run,model,shorthand") and "4.5000" in exits
+            assert down.splitlines()[0] == "task,metric,items,runA @2,runB @2,runB @4"
+            assert down.splitlines()[1].startswith("piqa,acc_norm,\"1,838\",0.5600")
+        else:
+            assert "| piqa | acc_norm | 1,838 | 0.5600 ± " not in text  # stderr is of acc, not acc_norm
+            assert "| piqa | acc_norm | 1,838 | 0.5600 | 0.6100 | 0.6200 |" in text
+    assert (tmp_path / "cmp" / "early_exit_overlay.png").stat().st_size > 10_000
