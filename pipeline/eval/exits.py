@@ -36,7 +36,7 @@ def exit_stats(states: dict[int, torch.Tensor], weight: torch.Tensor, targets: t
         t = tgt[a:a + n, None]
         ref_l = ref_buf[:n]
         torch.matmul(flat[ref][a:a + n].float(), w, out=ref_l)
-        ref_lse = _logsumexp(ref_l, p_buf[:n])
+        ref_lse = logsumexp_into(ref_l, p_buf[:n])
         ref_top = ref_l.argmax(dim=-1)
         for j, e in enumerate(exits):
             if e == ref:
@@ -45,7 +45,7 @@ def exit_stats(states: dict[int, torch.Tensor], weight: torch.Tensor, targets: t
                 continue
             logits, p = buf[:n], p_buf[:n]
             torch.matmul(flat[e][a:a + n].float(), w, out=logits)
-            lse = _logsumexp(logits, p)  # p = exp(l - max) / sum: the probabilities
+            lse = logsumexp_into(logits, p)  # p = exp(l - max) / sum: the probabilities
             losses[a:a + n, j] = (lse - logits.gather(1, t)).squeeze(1).cpu()
             agree[e] += (logits.argmax(dim=-1) == ref_top).sum().item()
             logits.sub_(ref_l)
@@ -53,12 +53,14 @@ def exit_stats(states: dict[int, torch.Tensor], weight: torch.Tensor, targets: t
     return losses, kl, agree
 
 
-def _logsumexp(logits: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:
-    """logsumexp over the last dim, [n, 1]; leaves softmax(logits) in ``scratch`` (no other large allocation)."""
+def logsumexp_into(logits: torch.Tensor, scratch: torch.Tensor, softmax: bool = True) -> torch.Tensor:
+    """logsumexp over the last dim, [n, 1], with ``scratch`` (same shape) as the only large temporary; leaves
+    softmax(logits) there when ``softmax``."""
     m = logits.amax(dim=-1, keepdim=True)
     torch.sub(logits, m, out=scratch).exp_()
     total = scratch.sum(dim=-1, keepdim=True)
-    scratch.div_(total)
+    if softmax:
+        scratch.div_(total)
     return m + total.log()
 
 

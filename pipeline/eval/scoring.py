@@ -11,9 +11,11 @@ import logging
 from collections.abc import Callable, Sequence
 
 import torch
-import torch.nn.functional as F
 
+from pipeline.eval.exits import logsumexp_into
 from pipeline.model.layers import KVCache
+
+HEAD_CHUNK = 256  # rows of vocabulary-sized logits computed at a time
 
 Request = tuple[Sequence[int], Sequence[int]]
 
@@ -36,7 +38,8 @@ def loglikelihoods(model, requests: Sequence[Request], depths: Sequence[int], ba
     the order of ``requests``.
     """
     device = next(model.parameters()).device
-    weight = model.lm_head.weight
+    w = model.lm_head.weight.float().t()
+    bufs = [torch.empty(HEAD_CHUNK, w.shape[1], device=device) for _ in range(2)]
     windows = [_window(c, t, max_length) for c, t in requests]
     cut = sum(len(t) > max_length for _, t in requests)
     if cut:
@@ -62,10 +65,7 @@ def loglikelihoods(model, requests: Sequence[Request], depths: Sequence[int], ba
         tgt = torch.tensor(targets, device=device)
         own = torch.tensor(owner, device=device)
         for depth, states in model.exit_states(x.to(device), depths):
-            logits = states[rows_t, cols_t].float() @ weight.float().t()
-            logp = F.log_softmax(logits, dim=-1)
-            tok_lp = logp.gather(1, tgt[:, None]).squeeze(1)
-            hit = (logits.argmax(dim=-1) == tgt).float()
+            tok_lp, hit = _target_log_probs(states[rows_t, cols_t], w, tgt, bufs)
             ll = torch.zeros(len(idxs), dtype=torch.float64, device=device).index_add_(0, own, tok_lp.double())
             misses = torch.zeros(len(idxs), device=device).index_add_(0, own, 1.0 - hit)
             for row, i in enumerate(idxs):
@@ -73,6 +73,22 @@ def loglikelihoods(model, requests: Sequence[Request], depths: Sequence[int], ba
         if progress:
             progress(len(idxs))
     return out
+
+
+def _target_log_probs(states: torch.Tensor, w: torch.Tensor, targets: torch.Tensor,
+                      bufs: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """log p(target) and whether the target is the argmax, for rows of final-LN'd states; the [rows, V] logits exist
+    ``HEAD_CHUNK`` rows at a time, in two reused buffers."""
+    lp = torch.empty(len(targets), device=states.device)
+    hit = torch.empty(len(targets), device=states.device)
+    for a in range(0, len(targets), HEAD_CHUNK):
+        n = min(HEAD_CHUNK, len(targets) - a)
+        logits, scratch = bufs[0][:n], bufs[1][:n]
+        torch.matmul(states[a:a + n].float(), w, out=logits)
+        t = targets[a:a + n, None]
+        lp[a:a + n] = (logits.gather(1, t) - logsumexp_into(logits, scratch, softmax=False)).squeeze(1)
+        hit[a:a + n] = (logits.argmax(dim=-1) == t.squeeze(1)).float()
+    return lp, hit
 
 
 @torch.no_grad()
