@@ -8,7 +8,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test setup clean lint
+.PHONY: demo test setup clean lint gpu-check
 
 setup: $(STAMP)
 
@@ -34,6 +34,12 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests
+
+# For a lent CUDA machine (torch and triton preinstalled there, nothing else): tests marked gpu + GPU benchmarks,
+# JSON into $$OUT when set. Here (no CUDA) it is a dry run with the .venv's Python.
+GPU_PY := $(shell test -x $(PY) && echo $(PY) || echo $(PYTHON))
+gpu-check:
+	$(GPU_PY) bench/gpu_check.py
 
 clean:
 	rm -rf $(VENV) runs data mlflow.db mlruns .pytest_cache

@@ -3,9 +3,9 @@ import sysconfig
 
 from setuptools import find_packages, setup
 
-# Registers the `grt` model with lm-eval at interpreter start (see pipeline/eval/lm_eval_plugin.py). Installed as a
-# data file into site-packages (the purelib folder relative to the environment's prefix), which works for regular
-# and editable installs into a virtual environment alike.
+# Registers the `grt` model with lm-eval at interpreter start (see pipeline/eval/lm_eval_plugin.py). A regular install
+# puts it into site-packages as a data file; editable installs skip data files, so the Makefile runs
+# `python -m pipeline.eval.lm_eval_plugin`, which writes it.
 PTH = "grt_pipeline_lm_eval.pth"
 SITE_PACKAGES = sysconfig.get_path("purelib", vars={"base": "", "platbase": ""}).lstrip("/")
 
@@ -32,6 +32,7 @@ setup(
         "deepspeed>=0.15,<0.20",
         "lm-eval==0.4.13",
     ],
-    extras_require={"test": ["pytest>=8,<10"]},
+    # triton: CUDA torch wheels bring their own; the CPU tests run the kernels in Triton's interpreter
+    extras_require={"test": ["pytest>=8,<10", "triton>=3.2,<4"]},
     entry_points={"console_scripts": ["grt=pipeline.cli:main"]},
 )

@@ -6,7 +6,13 @@
     fused QKV projection, scaled-dot-product attention, GELU MLP, tied head, full logits + cross-entropy): forward +
     backward time ratio at the same config.
 
-    python bench/train.py [--device cpu|cuda] [--repeat 5]
+(d) GRT vs dense at matched FLOPs per token as the fast-step work changes them: eager (reference ops), compiled
+    (torch.compile per block / recurrence step), compiled + fused (the Triton gate ops); tokens/s and their ratio;
+(e) MFU of the dense GPT-2 medium shape (recipes/paper/gpt2-medium.yaml) over a few hundred compiled bf16 steps.
+
+    python bench/train.py [--device cpu|cuda] [--repeat 5] [--arms a,b,c,d,e] [--mfu-steps 300]
+
+(d) and (e) are CUDA arms (default there; on a CPU they run only when named, on small shapes).
 
 Prints one JSON object. Activation memory is counted from autograd's saved tensors (the same on CPU and GPU); on
 CUDA the peak allocated memory is reported too.
@@ -16,17 +22,21 @@ from __future__ import annotations
 import _bootstrap  # noqa: F401  (first: keeps bench/tokenize.py from shadowing the standard library's tokenize)
 
 import argparse
+import contextlib
 import json
 import math
 import time
+from pathlib import Path
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from pipeline.config import GPTConfig, GRTConfig  # noqa: E402
-from pipeline.model import build_model  # noqa: E402
-from pipeline.train.parallelize import apply_activation_checkpointing  # noqa: E402
+from pipeline.model import build_model, model_class  # noqa: E402
+from ops import gate as gate_ops  # noqa: E402
+from pipeline.train.mfu import device_peak_flops  # noqa: E402
+from pipeline.train.parallelize import apply_activation_checkpointing, apply_compile  # noqa: E402
 
 
 # ----------------------------------------------------------------- (c) the reference: nanoGPT's architecture
@@ -120,9 +130,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--arms", default=None, help="comma-separated subset of a,b,c,d,e (default: a,b,c on CPU, all "
+                                                 "on CUDA)")
+    ap.add_argument("--mfu-steps", type=int, default=300)
     args = ap.parse_args()
     device = torch.device(args.device)
     cpu = device.type == "cpu"
+    arms = set((args.arms or ("a,b,c" if cpu else "a,b,c,d,e")).split(","))
     # CPU-sized shapes; GPU: GPT-2 small width at 1,024 tokens
     d, h, S, B, V = (128, 4, 128, 8, 50257) if cpu else (768, 12, 1024, 8, 50257)
     torch.manual_seed(0)
@@ -131,12 +145,25 @@ def main() -> None:
     out = {"device": str(device), "shapes": {"d_model": d, "heads": h, "seq_len": S, "batch": B, "vocab": V},
            "repeat": args.repeat, "threads": torch.get_num_threads()}
 
+    if "a" in arms:
+        arm_a(out, V, S, d, h, device, idx, targets, B, args.repeat)
+    if "b" in arms:
+        arm_b(out, V, S, d, h, device, idx, targets, args.repeat)
+    if "c" in arms:
+        arm_c(out, V, S, d, h, device, idx, targets, args.repeat)
+    if "d" in arms:
+        arm_d(out, device, args.repeat)
+    if "e" in arms:
+        arm_e(out, device, args.mfu_steps)
+    print(json.dumps(out, indent=2))
+
+
+def arm_a(out, V, S, d, h, device, idx, targets, B, repeat):
     # (a) GRT 1+1x4+1 vs dense 6L: 6 block executions each
     grt = build_model(GRTConfig(vocab_size=V, block_size=S, d_model=d, n_head=h, n_prelude=1, n_core=1, n_coda=1,
                                 n_recurrence=4)).to(device).train()
     dense = build_model(GPTConfig(vocab_size=V, block_size=S, d_model=d, n_head=h, n_layer=6)).to(device).train()
-    t = interleaved({"grt": step_fn(grt, idx, targets, 4), "dense": step_fn(dense, idx, targets)}, device,
-                    args.repeat)
+    t = interleaved({"grt": step_fn(grt, idx, targets, 4), "dense": step_fn(dense, idx, targets)}, device, repeat)
     tokens = B * S
     out["a_grt_vs_dense_matched_flops"] = {
         "grt": "1+1x4+1", "dense": "6L", "grt_tokens_per_s": round(tokens / t["grt"]),
@@ -145,8 +172,9 @@ def main() -> None:
         "note": "training step (forward + backward) at R = 4, noise on; Eq. 1 gives GRT 4 x 10d^2 more FLOPs per "
                 "token for its projection and gate",
     }
-    del grt, dense
 
+
+def arm_b(out, V, S, d, h, device, idx, targets, repeat):
     # (b) core_step activation checkpointing vs none at R = 10 (1+1x10+1), timed side by side
     res, fns = {}, {}
     for mode in ("none", "core_step"):
@@ -160,9 +188,8 @@ def main() -> None:
             torch.cuda.reset_peak_memory_stats()
             fns[mode]()
             res[mode]["cuda_peak_allocated_mb"] = round(torch.cuda.max_memory_allocated() / 2**20, 1)
-    for mode, seconds in interleaved(fns, device, args.repeat).items():
+    for mode, seconds in interleaved(fns, device, repeat).items():
         res[mode]["step_s"] = round(seconds, 4)
-    del fns
     out["b_activation_checkpointing_R10"] = {
         **res, "memory_ratio_core_step_over_none": round(res["core_step"]["saved_activations_mb"]
                                                          / res["none"]["saved_activations_mb"], 3),
@@ -170,18 +197,113 @@ def main() -> None:
         "note": "memory: activations kept for backward during the forward (the LM head's fused loss keeps none)",
     }
 
+
+
+def arm_c(out, V, S, d, h, device, idx, targets, repeat):
     # (c) our dense GPT vs the nanoGPT-architecture reference, same config and weights layout
     torch.manual_seed(0)
     ours = build_model(GPTConfig(vocab_size=V, block_size=S, d_model=d, n_head=h, n_layer=6)).to(device).train()
     ref = RefGPT(V, S, d, h, 6).to(device).train()
-    t = interleaved({"ours": step_fn(ours, idx, targets), "ref": step_fn(ref, idx, targets)}, device, args.repeat)
+    t = interleaved({"ours": step_fn(ours, idx, targets), "ref": step_fn(ref, idx, targets)}, device, repeat)
     out["c_dense_vs_nanogpt_reference"] = {
         "ours_s": round(t["ours"], 4), "reference_s": round(t["ref"], 4),
         "ratio_ours_over_reference_time": round(t["ours"] / t["ref"], 3),
         "note": "forward + backward of a 6-layer GPT-2; ours uses the fused chunked head + cross-entropy "
                 "(ops/linear_cross_entropy.py), the reference materialises the logits as nanoGPT does",
     }
-    print(json.dumps(out, indent=2))
+
+
+def arm_d(out, device, repeat):
+    """GRT 2+2x4+2 vs dense 12L (12 block executions each) at GPT-2 small width, bf16 autocast on CUDA."""
+    cuda = device.type == "cuda"
+    d, h, S, B, V = (768, 12, 1024, 16, 50257) if cuda else (64, 2, 64, 2, 50257)
+    amp = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else contextlib.nullcontext()
+    idx = torch.randint(0, V, (B, S), device=device)
+    targets = torch.randint(0, V, (B, S), device=device)
+
+    def make(kind, compiled):
+        torch.manual_seed(0)
+        cfg = (GRTConfig(vocab_size=V, block_size=S, d_model=d, n_head=h, n_prelude=2, n_core=2, n_coda=2,
+                         n_recurrence=4) if kind == "grt" else
+               GPTConfig(vocab_size=V, block_size=S, d_model=d, n_head=h, n_layer=12))
+        m = build_model(cfg).to(device).train()
+        if compiled:
+            apply_compile(m)
+        return m
+
+    def step(m, n_steps, backend):
+        def run():
+            gate_ops.set_backend(backend)
+            with amp:
+                _, loss = m(idx, targets, n_steps=n_steps)
+            loss.backward()
+            m.zero_grad(set_to_none=True)
+        return run
+
+    fns = {"dense_eager": step(make("gpt", False), None, "reference"),
+           "grt_eager": step(make("grt", False), 4, "reference"),
+           "dense_compiled": step(make("gpt", True), None, "reference"),
+           "grt_compiled": step(make("grt", True), 4, "reference")}
+    if cuda:
+        fns["grt_compiled_fused"] = step(make("grt", True), 4, "auto")
+    t = interleaved(fns, device, repeat)
+    gate_ops.set_backend("auto")
+    tok = B * S
+    res = {f"{k}_tokens_per_s": round(tok / v) for k, v in t.items()}
+    res["ratio_grt_over_dense_eager"] = round(t["dense_eager"] / t["grt_eager"], 3)
+    res["ratio_grt_over_dense_compiled"] = round(t["dense_compiled"] / t["grt_compiled"], 3)
+    if cuda:
+        res["ratio_grt_compiled_fused_over_dense_compiled"] = round(t["dense_compiled"] / t["grt_compiled_fused"], 3)
+    res["shapes"] = {"d_model": d, "seq_len": S, "batch": B, "grt": "2+2x4+2", "dense": "12L"}
+    res["note"] = "training step (forward + backward), R = 4 fixed, noise on; goal on GPU: GRT >= 0.9x dense"
+    out["d_grt_vs_dense_eager_compiled_fused"] = res
+
+
+def arm_e(out, device, steps):
+    """Dense GPT-2 medium, compiled, bf16 autocast, fused AdamW: MFU = 3 x Eq. 1 FLOPs (with head) x tokens/s / peak."""
+    cuda = device.type == "cuda"
+    try:
+        from pipeline.config import load_recipe
+
+        cfg = load_recipe(str(Path(__file__).resolve().parents[1] / "recipes/paper/gpt2-medium.yaml")).model
+    except ImportError:  # no PyYAML on a bare GPU image: the recipe's model section, as written there
+        cfg = GPTConfig(vocab_size=50257, block_size=1024, d_model=1024, n_head=16, n_layer=24)
+    if not cuda:
+        cfg = GPTConfig(vocab_size=50257, block_size=64, d_model=64, n_head=2, n_layer=2)
+        steps = min(steps, 5)
+    B = 16 if cuda else 2
+    torch.manual_seed(0)
+    m = build_model(cfg).to(device).train()
+    apply_compile(m)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-4, fused=cuda)
+    amp = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else contextlib.nullcontext()
+    idx = torch.randint(0, cfg.vocab_size, (B, cfg.block_size), device=device)
+    targets = torch.roll(idx, -1, 1)
+
+    def one():
+        with amp:
+            _, loss = m(idx, targets)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    for _ in range(3):  # compile and warm up
+        one()
+    sync(device)
+    t = time.perf_counter()
+    for _ in range(steps):
+        one()
+    sync(device)
+    dt = (time.perf_counter() - t) / steps
+    flops = model_class("gpt").flops_per_token(cfg, with_head=True)
+    tok_s = B * cfg.block_size / dt
+    peak = device_peak_flops(device)
+    out["e_mfu_gpt2_medium"] = {
+        "steps": steps, "batch": B, "seq_len": cfg.block_size, "step_s": round(dt, 4), "tokens_per_s": round(tok_s),
+        "model_flops_per_token_fwd_eq1_with_head": flops,
+        "mfu": round(3 * flops * tok_s / peak, 4) if peak else None,
+        "peak_flops": peak, "device": torch.cuda.get_device_name(device) if cuda else "cpu (dry run, tiny shape)",
+    }
 
 
 if __name__ == "__main__":

@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-import yaml
 
 
 class RecipeError(ValueError):
@@ -186,6 +185,8 @@ class TrainConfig:
     zero_stage: int = 1  # deepspeed: ZeRO stage 0..3
     deepspeed: dict = field(default_factory=dict)  # deepspeed: raw config merged over the generated one
     activation_checkpointing: str = "none"  # none | core_step (each recurrence step) | blocks (every block)
+    compile: bool = False  # torch.compile each block / recurrence step; the loop over r stays eager (no recompiles)
+    fused_ops: str = "auto"  # gate/noise ops: auto (Triton on CUDA) | reference (plain PyTorch) | triton (forced)
     collective_timeout_s: int = 600  # a rank that stops answering makes the others fail after this long
     max_bad_steps: int = 5  # consecutive non-finite steps (skipped) before the run stops
     device: str = "auto"  # auto | cpu | cuda
@@ -211,6 +212,7 @@ class TrainConfig:
     def validate(self) -> list[str]:
         p = _choice("train.backend", self.backend, ["single", "ddp", "fsdp", "deepspeed"])
         p += _choice("train.activation_checkpointing", self.activation_checkpointing, ["none", "core_step", "blocks"])
+        p += _choice("train.fused_ops", self.fused_ops, ["auto", "reference", "triton"])
         if not 0 <= self.zero_stage <= 3:
             p.append(f"train.zero_stage must be 0..3, got {self.zero_stage}")
         p += _choice("train.device", self.device, ["auto", "cpu", "cuda"])
@@ -301,6 +303,8 @@ class RunConfig:
         return dataclasses.asdict(self)
 
     def to_yaml(self) -> str:
+        import yaml
+
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
 
     def flat(self) -> dict[str, Any]:
@@ -342,6 +346,8 @@ def _choice(key: str, value: str, allowed: list[str]) -> list[str]:
 
 
 def load_yaml_with_bases(path: str | Path, _seen: tuple = ()) -> dict:
+    import yaml  # imported where used: the model code imports this module on machines without PyYAML (gpu-check)
+
     """Read a recipe file, resolving ``base:`` chains (relative to the file that names them)."""
     path = Path(path).resolve()
     if path in _seen:
@@ -376,6 +382,8 @@ def deep_merge(a: dict, b: dict) -> dict:
 
 def apply_overrides(data: dict, overrides: list[str]) -> tuple[dict, list[str]]:
     """Apply ``a.b.c=value`` (value parsed as YAML). Returns the new dict and syntax problems."""
+    import yaml
+
     problems = []
     data = json.loads(json.dumps(data))  # deep copy of plain data
     for ov in overrides:

@@ -210,7 +210,7 @@ def test_anchor_ablations_and_forced_gates():
         h0 = h1 = h_pre
         for _ in range(3):
             h0 = model.recur.proposal(h0, h_pre, noise=False)
-            h1, _ = model.recur(h1, h1, noise=False)
+            h1 = model.recur(h1, h1, noise=False)[0]
         for key, h in (("gate0", h0), ("previous", h1)):
             lp = torch.log_softmax(model.decode(h, None)[0].double(), -1)
             assert ab[key] == pytest.approx(F.nll_loss(lp.flatten(0, 1), y.flatten()).item(), abs=1e-4)

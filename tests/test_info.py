@@ -42,6 +42,9 @@ def test_params_and_eq1_flops(name, capsys):
     assert got["flops_per_token"] == eq1
     assert got["flops_per_token_with_head"] == eq1 + 2 * d * V
     assert got["params"] - got["params_without_position"] == S * d
+    # executed: per step W_x (2d^2) + the gate's state half and second layer (4d^2); once the anchor halves (4d^2)
+    executed = eq1 if isinstance(shape, int) else eq1 - overhead + R * 6 * d * d + 4 * d * d
+    assert got["executed_flops_per_token"] == executed
     if params_m is not None:
         assert abs(got["params"] / 1e6 - params_m) <= 0.01, got["params"]
     else:  # arithmetic: embeddings, blocks 12d^2+13d, W_proj 2d^2+d, gate 3d^2+2d (+4d for its two LNs), final LN

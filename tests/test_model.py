@@ -83,8 +83,11 @@ def small_grt(**kw):
 def test_step_matches_hand_written_equations_noise_off(tau):
     m = small_grt(tau=tau).eval()
     h, h_pre = torch.randn(2, 16, 32, dtype=torch.double), torch.randn(2, 16, 32, dtype=torch.double)
-    got, g = m.recur(h, h_pre, noise=False)
+    got, g, _ = m.recur(h, h_pre, noise=False, need_gate=True)
+    fast, none, _ = m.recur(h, h_pre, noise=False)  # the training path: the fused op, anchor halves computed once
+    assert none is None
     want, g_want = grt_step(m, h, h_pre, 0.0, 0.0)
+    torch.testing.assert_close(fast, want, rtol=1e-10, atol=1e-10)
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
     torch.testing.assert_close(g, g_want, rtol=1e-10, atol=1e-10)
     assert 0.05 < g.mean() < 0.95  # both branches really contribute in this test
@@ -94,10 +97,11 @@ def test_step_noise_enters_where_the_equations_put_it():
     m = small_grt().train()
     h, h_pre = torch.randn(2, 16, 32, dtype=torch.double), torch.randn(2, 16, 32, dtype=torch.double)
     torch.manual_seed(123)
-    got, _ = m.recur(h, h_pre, noise=True)
-    torch.manual_seed(123)  # the implementation draws eps_x, then eps_g, from the global RNG
-    eps_x = 0.1 * torch.randn_like(h)
-    eps_g = 0.1 * torch.randn_like(h)
+    got, _, _ = m.recur(h, h_pre, noise=True)
+    torch.manual_seed(123)  # the step draws a seed for eps_x, then one for eps_g, from the global RNG
+    seeds = [int(torch.randint(0, 2**31 - 1, ())) for _ in range(2)]
+    eps_x, eps_g = (0.1 * torch.randn(h.shape, generator=torch.Generator().manual_seed(s), dtype=h.dtype)
+                    for s in seeds)
     want, _ = grt_step(m, h, h_pre, eps_x, eps_g)
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
     clean, _ = grt_step(m, h, h_pre, 0.0, 0.0)

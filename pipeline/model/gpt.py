@@ -78,7 +78,7 @@ class GPT(nn.Module):
 
     @staticmethod
     def flops_per_token(cfg: GPTConfig, n_steps: int | None = None, with_head: bool = False,
-                        seq_len: int | None = None) -> int:
+                        seq_len: int | None = None, executed: bool = False) -> int:
         """Paper Eq. 1 with no recurrence: L(24d^2 + 4Sd); ``n_steps`` = exit layer."""
         S = seq_len or cfg.block_size
         f = GPT.block_executions(cfg, n_steps) * block_flops_per_token(cfg.d_model, S)

@@ -18,10 +18,25 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ops import gated_update
+from ops import gate_update, gated_update, new_seed, state_noise
 from pipeline.config import GRTConfig
 from pipeline.model.layers import (Block, KVCache, LayerNorm, TokenEmbedding, block_flops_per_token, cache_slot,
                                    head_flops_per_token, head_output, init_gpt2_weights)
+
+
+class SplitLinear(nn.Linear):
+    """A Linear(2d, d) over [x, a] that can also apply just one half: ``part="x"`` gives W_x x (no bias),
+    ``part="a"`` gives W_a a + b, so the half that reads the anchor can be computed once per forward. The same
+    parameters (and checkpoint keys) as a plain Linear; calling the module (not slicing its weight from outside)
+    keeps FSDP and ZeRO-3 parameter gathering working."""
+
+    def forward(self, x: torch.Tensor, part: str | None = None) -> torch.Tensor:
+        if part is None:
+            return super().forward(x)
+        d = self.in_features // 2
+        if part == "x":
+            return F.linear(x, self.weight[:, :d])
+        return F.linear(x, self.weight[:, d:], self.bias)
 
 
 class Gate(nn.Module):
@@ -31,48 +46,77 @@ class Gate(nn.Module):
         super().__init__()
         self.ln_h = LayerNorm(d, bias)
         self.ln_pre = LayerNorm(d, bias)
-        self.fc1 = nn.Linear(2 * d, d)
+        self.fc1 = SplitLinear(2 * d, d)
         self.fc2 = nn.Linear(d, d)
         self.bias_init = bias_init
 
     def reset_bias(self) -> None:
         nn.init.constant_(self.fc2.bias, self.bias_init)  # paper §3.3: +4 -> g ~ 0.98 at init
 
-    def forward(self, h: torch.Tensor, h_pre: torch.Tensor) -> torch.Tensor:
-        x = torch.cat([self.ln_h(h), self.ln_pre(h_pre)], dim=-1)
-        return self.fc2(F.silu(self.fc1(x)))
+    def anchor_term(self, h_pre: torch.Tensor) -> torch.Tensor:
+        """W1_a LN(h_pre) + b1: the part of the first layer that is the same at every step."""
+        return self.fc1(self.ln_pre(h_pre), part="a")
+
+    def forward(self, h: torch.Tensor, h_pre: torch.Tensor, anchor: torch.Tensor | None = None) -> torch.Tensor:
+        """The gate logits z (before / tau and the noise)."""
+        if anchor is None:
+            anchor = self.anchor_term(h_pre)
+        return self.fc2(F.silu(self.fc1(self.ln_h(h), part="x") + anchor))
 
 
 class RecurrentStep(nn.Module):
     """One application of the shared core with its projection and gate. A module of its own so that activation
-    checkpointing and compilation can wrap exactly one recurrence step."""
+    checkpointing and compilation can wrap exactly one recurrence step.
+
+    W_proj [h + eps_x, h_pre] = W_x (h + eps_x) + (W_a h_pre + b), and f_g's first layer likewise: the anchor halves
+    do not change across steps, so :meth:`anchor_terms` computes them once per forward and every step reuses them
+    (4d^2 of the paper's 10d^2 per-step FLOPs, exactly the same result)."""
 
     def __init__(self, cfg: GRTConfig):
         super().__init__()
         self.cfg = cfg
         d = cfg.d_model
-        self.proj = nn.Linear(2 * d, d) if cfg.reinject else None  # W_proj: 2d^2 + d
+        self.proj = SplitLinear(2 * d, d) if cfg.reinject else None  # W_proj: 2d^2 + d
         self.blocks = nn.ModuleList(Block(d, cfg.n_head, cfg.dropout, cfg.bias) for _ in range(cfg.n_core))
         self.gate = Gate(d, cfg.gate_bias_init, cfg.bias) if cfg.gate == "elementwise" else None
 
-    def proposal(self, h: torch.Tensor, h_pre: torch.Tensor, noise: bool, cache: KVCache | None = None):
+    def anchor_terms(self, h_pre: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        return (self.proj(h_pre, part="a") if self.proj is not None else None,
+                self.gate.anchor_term(h_pre) if self.gate is not None else None)
+
+    def proposal(self, h: torch.Tensor, h_pre: torch.Tensor, noise: bool, cache: KVCache | None = None,
+                 anchor: tuple | None = None) -> torch.Tensor:
         """o = core(W_proj([h + eps_x, h_pre])): what the step would write with the gate fully open."""
         cfg = self.cfg
         x = h
         if noise and cfg.state_noise == "every_step" and cfg.sigma_x > 0:
-            x = h + cfg.sigma_x * torch.randn_like(h)
-        o = self.proj(torch.cat([x, h_pre], dim=-1)) if self.proj is not None else x
+            x = state_noise(h, cfg.sigma_x, new_seed())
+        if self.proj is not None:
+            a = anchor[0] if anchor is not None else self.proj(h_pre, part="a")
+            o = self.proj(x, part="x") + a
+        else:
+            o = x
         for block in self.blocks:
             o = block(o, cache_slot(cache))
         return o
 
-    def forward(self, h: torch.Tensor, h_pre: torch.Tensor, noise: bool,
-                cache: KVCache | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(h^(r), g^(r)); g is None without a gate (the state is replaced by the proposal)."""
-        o = self.proposal(h, h_pre, noise, cache)
+    def forward(self, h: torch.Tensor, h_pre: torch.Tensor, noise: bool, cache: KVCache | None = None,
+                anchor: tuple | None = None, need_gate: bool = False):
+        """(h^(r), g^(r) or None, anchor terms). g is returned only when ``need_gate`` (noise off); without a gate
+        the state is replaced by the proposal. Pass the returned anchor terms to the next step."""
+        if anchor is None:
+            anchor = self.anchor_terms(h_pre)
+        o = self.proposal(h, h_pre, noise, cache, anchor)
         if self.gate is None:
-            return o, None
-        return gated_update(self.gate(h, h_pre), h, o, self.cfg.tau, self.cfg.sigma_g if noise else 0.0)
+            return o, None, anchor
+        z = self.gate(h, h_pre, anchor[1])
+        if need_gate:
+            if noise:
+                raise ValueError("need_gate is for evaluation (noise off)")
+            h_new, g = gated_update(z, h, o, self.cfg.tau)
+            return h_new, g, anchor
+        sigma = self.cfg.sigma_g if noise else 0.0
+        return gate_update(z, h, o, 1.0 / self.cfg.tau, sigma, new_seed()), None, anchor
 
 
 @dataclass
@@ -146,8 +190,9 @@ class GRT(nn.Module):
         start = cache.begin() if cache is not None else 0
         h_pre = self.encode(idx, start, cache)
         h = self.initial_state(h_pre, noise)
+        anchor = None
         for _ in range(n):
-            h, _ = self.recur(h, h_pre, noise, cache)
+            h, _, anchor = self.recur(h, h_pre, noise, cache, anchor)
         out = self.decode(h, targets, cache)
         if cache is not None:
             cache.advance(idx.shape[1])
@@ -159,10 +204,10 @@ class GRT(nn.Module):
         wanted = sorted(set(exits))
         h_pre = self.encode(idx)
         h = self.initial_state(h_pre, noise=False)
-        g = None
+        g = anchor = None
         for r in range(wanted[-1] + 1):
             if r > 0:
-                h, g = self.recur(h, h_pre, noise=False)
+                h, g, anchor = self.recur(h, h_pre, False, None, anchor, need_gate=with_gates)
             if r in wanted:
                 states = self.readout(h)
                 yield (r, states, None if g is None else g.float().mean().item()) if with_gates else (r, states)
@@ -206,10 +251,21 @@ class GRT(nn.Module):
         return (4 * d * d if cfg.reinject else 0) + (6 * d * d if cfg.gate == "elementwise" else 0)
 
     @staticmethod
+    def executed_overhead_flops(cfg: GRTConfig, n_steps: int) -> int:
+        """What the code runs instead: per step W_x (2d^2) + f_g's state half and second layer (4d^2); once per
+        forward the anchor halves of W_proj and f_g's first layer (2d^2 each)."""
+        d = cfg.d_model
+        per_step = (2 * d * d if cfg.reinject else 0) + (4 * d * d if cfg.gate == "elementwise" else 0)
+        once = (2 * d * d if cfg.reinject else 0) + (2 * d * d if cfg.gate == "elementwise" else 0)
+        return n_steps * per_step + (once if n_steps > 0 else 0)
+
+    @staticmethod
     def flops_per_token(cfg: GRTConfig, n_steps: int | None = None, with_head: bool = False,
-                        seq_len: int | None = None) -> int:
-        """Paper Eq. 1: (n_pre + n_rec R + n_coda)(24d^2 + 4Sd) + R * 10d^2 (+ 2dV for the head)."""
+                        seq_len: int | None = None, executed: bool = False) -> int:
+        """Paper Eq. 1: (n_pre + n_rec R + n_coda)(24d^2 + 4Sd) + R * 10d^2 (+ 2dV for the head). ``executed``:
+        with the step overhead the code actually runs (anchor halves once per forward)."""
         n = cfg.n_recurrence if n_steps is None else n_steps
         S = seq_len or cfg.block_size
-        f = GRT.block_executions(cfg, n) * block_flops_per_token(cfg.d_model, S) + n * GRT.step_overhead_flops(cfg)
+        overhead = GRT.executed_overhead_flops(cfg, n) if executed else n * GRT.step_overhead_flops(cfg)
+        f = GRT.block_executions(cfg, n) * block_flops_per_token(cfg.d_model, S) + overhead
         return f + (head_flops_per_token(cfg.d_model, cfg.vocab_size) if with_head else 0)

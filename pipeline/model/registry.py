@@ -49,6 +49,7 @@ def model_info(cfg: ModelConfig) -> dict:
     info["block_executions"] = cls.block_executions(cfg)
     info["flops_per_token"] = cls.flops_per_token(cfg)
     info["flops_per_token_with_head"] = cls.flops_per_token(cfg, with_head=True)
+    info["executed_flops_per_token"] = cls.flops_per_token(cfg, executed=True)  # after the exact step savings
     info["seq_len"] = cfg.block_size
     info["d_model"] = cfg.d_model
     return info

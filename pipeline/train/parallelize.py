@@ -1,5 +1,5 @@
 """Parallelism applied to a built model from the outside (the model files know nothing of it): activation
-checkpointing and FSDP2 sharding, per block. The recurrent core is checkpointed per recurrence step and its blocks
+checkpointing, torch.compile and FSDP2 sharding, per block. The recurrent core is checkpointed per recurrence step and its blocks
 stay gathered through the forward (``reshard_after_forward=False``), so the looped core is all-gathered once per
 forward, not once per recurrence step."""
 from __future__ import annotations
@@ -60,9 +60,25 @@ def apply_fsdp(model: nn.Module, amp_dtype: torch.dtype) -> None:
     fully_shard(model, mp_policy=mp)  # embeddings, tied head, final LN
 
 
+def compile_targets(model: nn.Module) -> list[nn.Module]:
+    """What ``train.compile`` compiles: each prelude/coda block and the recurrence step as a whole (GRT), each
+    layer (dense). The loop over r stays eager, so a new depth r reuses the step's compiled graphs."""
+    if hasattr(model, "recur"):
+        return [*model.prelude, model.recur, *model.coda]
+    return list(model.blocks)
+
+
+def apply_compile(model: nn.Module, backend: str = "inductor") -> None:
+    for module in compile_targets(model):
+        module.compile(backend=backend)
+
+
 def parallelize(model: nn.Module, cfg: TrainConfig, amp_dtype: torch.dtype, device: torch.device) -> nn.Module:
+    """torchtitan's order: activation checkpointing, then compile, then FSDP."""
     model.to(device)
     apply_activation_checkpointing(model, cfg.activation_checkpointing)
+    if cfg.compile:
+        apply_compile(model)
     if cfg.backend == "fsdp":
         apply_fsdp(model, amp_dtype)
     return model

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from ops import set_backend as set_fused_ops_backend
 from pipeline.config import RunConfig
 from pipeline.model import build_model, model_class, model_info
 from pipeline.tokenize.bpe import tokenizer_identity
@@ -28,6 +29,7 @@ from pipeline.train.backend import build_backend
 from pipeline.train.callbacks import Callback, ConsoleLogger, TrackerCallback
 from pipeline.train.checkpoint import list_checkpoints, load_checkpoint, prepare_staging, publish, staging_dir
 from pipeline.train.data import SequenceLoader, TokenShards, validation_batches
+from pipeline.train.mfu import device_peak_flops
 from pipeline.train.optim import build_optimizer, lr_at
 from pipeline.train.parallelize import parallelize
 
@@ -66,18 +68,6 @@ FAULT_KILL_IN_SAVE = int(os.environ.get("GRT_FAULT_KILL_IN_SAVE", "0") or 0)
 # ... or make the loss of these steps NaN (comma-separated), to exercise the non-finite path
 FAULT_NAN_STEPS = {int(x) for x in os.environ.get("GRT_FAULT_NAN_STEPS", "").split(",") if x.strip()}
 
-# Peak dense bf16 tensor throughput per device, FLOP/s, for MFU (vendor figures, without sparsity).
-PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12, "L4": 121e12,
-              "V100": 125e12, "RTX 4090": 165e12, "RTX 3090": 71e12}
-
-
-def device_peak_flops(device: torch.device) -> float | None:
-    if device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device)
-    return next((v for k, v in PEAK_FLOPS.items() if k in name), None)
-
-
 class BadStepsError(FloatingPointError):
     pass
 
@@ -115,6 +105,7 @@ class Trainer:
         self.model_cls = model_class(cfg.model.type)
         self.info = model_info(cfg.model)
         self.raw_model = build_model(cfg.model)  # unwrapped: train_depth and friends stay reachable
+        set_fused_ops_backend(tc.fused_ops)
         parallelize(self.raw_model, tc, self.amp_dtype, self.device)
         self.model, self.optimizer = self.backend.setup(
             self.raw_model, lambda m: build_optimizer(m, tc, self.device.type))

@@ -1,0 +1,185 @@
+"""The fast GRT step against the plain formulation: the exact algebraic savings (forward and backward), the Triton
+gate kernels under TRITON_INTERPRET=1 (CPU), the torch.library ops, and torch.compile without recompiles."""
+import copy
+
+import pytest
+import torch
+
+import ops
+from ops import gate as gate_ops
+from pipeline.config import GRTConfig
+from pipeline.model import build_model
+from pipeline.train.parallelize import apply_compile, compile_targets
+
+from test_model import block, embed, grt_step, head_loss
+
+triton = pytest.importorskip("triton")
+SHAPES = [(3, 37, 11), (1000,), (2, 1025), (0, 4)]  # odd sizes, a masked tail past one 1024-block, empty
+
+
+@pytest.fixture
+def backend():
+    yield gate_ops.set_backend
+    gate_ops.set_backend("auto")
+
+
+def run_op(z, h, o, inv_tau, sigma, seed, dy):
+    z, h, o = (t.detach().clone().requires_grad_() for t in (z, h, o))
+    y = ops.gate_update(z, h, o, inv_tau, sigma, seed)
+    y.backward(dy)
+    return y.detach(), z.grad, h.grad, o.grad
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_gate_matches_reference_noise_off(shape, dtype, backend):
+    torch.manual_seed(0)
+    z, h, o, dy = (torch.randn(shape).to(dtype) for _ in range(4))
+    seed = torch.tensor(11)
+    backend("triton")
+    got = run_op(z, h, o, 1 / 0.7, 0.0, seed, dy)
+    backend("reference")
+    want = run_op(z, h, o, 1 / 0.7, 0.0, seed, dy)
+    # by hand, in float64
+    g = torch.sigmoid(z.double() / 0.7)
+    by_hand = (g * h.double() + (1 - g) * o.double(), dy.double() * (h.double() - o.double()) * g * (1 - g) / 0.7,
+               g * dy.double(), (1 - g) * dy.double())
+    tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    for a, b, c in zip(got, want, by_hand):
+        assert a.dtype == dtype and a.shape == torch.Size(shape)
+        torch.testing.assert_close(a.double(), c, **tol)
+        torch.testing.assert_close(b.double(), c, **tol)
+
+
+def test_triton_noise_has_the_right_moments(backend):
+    backend("triton")
+    n = 200_000
+    z, h, o = torch.zeros(n), torch.ones(n), torch.zeros(n)
+    g = ops.gate_update(z, h, o, 1.0, 0.5, torch.tensor(7))  # h' = g = sigmoid(eps_g)
+    eps = torch.logit(g.double())
+    assert abs(eps.mean().item()) < 0.01 and eps.std().item() == pytest.approx(0.5, rel=0.01)
+    x = ops.state_noise(torch.zeros(n), 0.1, torch.tensor(3)).double()
+    assert abs(x.mean().item()) < 0.002 and x.std().item() == pytest.approx(0.1, rel=0.01)
+    again = ops.state_noise(torch.zeros(n), 0.1, torch.tensor(3))
+    assert torch.equal(again.double(), x)  # a function of (seed, index)
+    assert not torch.equal(ops.state_noise(torch.zeros(n), 0.1, torch.tensor(4)).double(), x)
+
+
+@pytest.mark.parametrize("path", ["triton", "reference"])
+def test_backward_uses_the_forwards_noise_finite_differences(path, backend):
+    """At a fixed seed the op is a smooth function of z, h, o; its gradient must match central differences — which
+    holds only if the backward redraws exactly the forward's noise."""
+    backend(path)
+    torch.manual_seed(1)
+    z, h, o, w = (torch.randn(64) for _ in range(4))
+    seed = torch.tensor(5)
+
+    def f(z_, h_, o_):
+        return (w * ops.gate_update(z_, h_, o_, 1.3, 0.8, seed)).sum().double()
+
+    zz, hh, oo = (t.clone().requires_grad_() for t in (z, h, o))
+    f(zz, hh, oo).backward()
+    eps = 1e-2
+    for grad, which in ((zz.grad, 0), (hh.grad, 1), (oo.grad, 2)):
+        for i in (0, 17, 63):
+            plus, minus = [z.clone(), h.clone(), o.clone()], [z.clone(), h.clone(), o.clone()]
+            plus[which][i] += eps
+            minus[which][i] -= eps
+            fd = (f(*plus) - f(*minus)).item() / (2 * eps)
+            assert grad[i].item() == pytest.approx(fd, rel=2e-2, abs=2e-3)
+    # another seed, another noise: the gradient changes
+    zz2 = z.clone().requires_grad_()
+    (w * ops.gate_update(zz2, h, o, 1.3, 0.8, torch.tensor(6))).sum().backward()
+    assert not torch.allclose(zz2.grad, zz.grad)
+
+
+def test_ops_registered_for_compile():
+    """torch.library's own checks: schema, fake (meta) implementation, autograd registration."""
+    z, h, o = (torch.randn(4, 8, requires_grad=True) for _ in range(3))
+    torch.library.opcheck(torch.ops.grt.gate_update.default, (z, h, o, 1.0, 0.1, torch.tensor(3)))
+    torch.library.opcheck(torch.ops.grt.state_noise.default, (h, 0.1, torch.tensor(3)))
+
+
+# ------------------------------------------------------------------------------------- the step's exact savings
+def small_grt(**kw):
+    torch.manual_seed(0)
+    cfg = GRTConfig(vocab_size=97, block_size=16, d_model=32, n_head=4, n_prelude=1, n_core=2, n_coda=1,
+                    n_recurrence=3, sigma_x=0.0, sigma_g=0.0, **kw)
+    m = build_model(cfg)
+    with torch.no_grad():
+        m.recur.gate.fc2.bias.normal_(0.0, 1.0)
+        for p in m.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    return m
+
+
+def plain_loss(m, idx, targets, r):
+    """The paper's formulation written by hand: concatenations, no precomputed anchor halves."""
+    h = embed(m, idx)
+    for b in m.prelude:
+        h = block(b, h)
+    h_pre, x = h, h
+    for _ in range(r):
+        x, _ = grt_step(m, x, h_pre, 0.0, 0.0)
+    return head_loss(m, x, targets)[1]
+
+
+def test_fast_step_equals_plain_formulation_forward_and_backward():
+    m = small_grt().double().train()
+    ref = copy.deepcopy(m)
+    idx, targets = torch.randint(0, 97, (2, 16)), torch.randint(0, 97, (2, 16))
+    _, loss = m(idx, targets, n_steps=3)
+    want = plain_loss(ref, idx, targets, 3)
+    loss.backward()
+    want.backward()
+    torch.testing.assert_close(loss, want, rtol=1e-10, atol=1e-10)
+    grads = dict(ref.named_parameters())
+    for name, p in m.named_parameters():
+        torch.testing.assert_close(p.grad, grads[name].grad, rtol=1e-8, atol=1e-10, msg=name)
+    assert set(m.state_dict()) == set(ref.state_dict())  # same parameters, same checkpoint keys
+
+
+@pytest.mark.parametrize("path", ["reference", "triton"])
+def test_fast_path_trains_like_the_plain_formulation_for_20_steps(path, backend):
+    backend(path)
+    m = small_grt().train()
+    ref = copy.deepcopy(m)
+    opt_a = torch.optim.AdamW(m.parameters(), lr=3e-3)
+    opt_b = torch.optim.AdamW(ref.parameters(), lr=3e-3)
+    idx = torch.randint(0, 97, (2, 16), generator=torch.Generator().manual_seed(0))
+    targets = torch.roll(idx, -1, 1)  # one batch, memorised
+    for step in range(20):
+        r = 1 + step % 3
+        _, a = m(idx, targets, n_steps=r)
+        b = plain_loss(ref, idx, targets, r)
+        assert a.item() == pytest.approx(b.item(), rel=1e-5, abs=1e-5), step
+        for opt, loss in ((opt_a, a), (opt_b, b)):
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    assert a.item() < plain_loss(small_grt(), idx, targets, r).item()  # and it did learn
+
+
+# ------------------------------------------------------------------------------------------------ torch.compile
+def test_compile_has_no_recompiles_across_depths():
+    graphs = []
+
+    def counting_backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    m = small_grt()
+    eager = copy.deepcopy(m)
+    apply_compile(m, backend=counting_backend)
+    assert {type(t).__name__ for t in compile_targets(m)} == {"Block", "RecurrentStep"}
+    idx, targets = torch.randint(0, 97, (2, 16)), torch.randint(0, 97, (2, 16))
+    counts = []
+    for r in (1, 2, 3, 1, 2, 3, 6):
+        _, loss = m(idx, targets, n_steps=r)
+        loss.backward()
+        _, want = eager(idx, targets, n_steps=r)
+        assert loss.item() == pytest.approx(want.item(), rel=1e-6)
+        counts.append(len(graphs))
+    assert counts[1] == counts[-1], counts  # after r = 1 and 2 (first step, later steps) nothing new is compiled
+    torch._dynamo.reset()
