@@ -294,7 +294,7 @@ def test_grt_eval_and_lm_eval_shell_give_the_same_numbers(tmp_path, corpus):
     from pipeline.train.trainer import Trainer
 
     data = make_task_data(tmp_path / "eval", n=8)
-    cfg = from_dict(tiny_recipe(tmp_path, corpus, tracking={"enabled": True}))
+    cfg = from_dict(tiny_recipe(tmp_path, corpus, tracking={"enabled": True, "tags": {"study": "harness"}}))
     tokenize(cfg.data, quiet=True)
     Trainer(cfg).fit()
     tasks = ["piqa", "arc_easy", "lambada_openai", "winogrande"]
@@ -319,6 +319,9 @@ def test_grt_eval_and_lm_eval_shell_give_the_same_numbers(tmp_path, corpus):
     assert sorted(m.step for m in hist) == [1, 3]
     arts = {a.path for a in client.list_artifacts(res["mlflow_run_id"], "eval")}
     assert {"eval/downstream.json", "eval/diagnostics.png", "eval/gate_heatmap.png", "eval/exits.json"} <= arts
+    from pipeline.eval.compare import collect  # selection by MLflow tag (set from tracking.tags)
+    assert [r["name"] for r in collect([], cfg.tracking, tags={"study": "harness"})] == ["tiny"]
+    assert collect([], cfg.tracking, tags={"study": "other"}) == []
 
 
 def test_compare_formats_and_downstream_table(tmp_path):
