@@ -34,10 +34,6 @@ def set_backend(name: str) -> None:
     _backend = name
 
 
-def get_backend() -> str:
-    return _backend
-
-
 def _triton_available() -> bool:
     try:
         import triton  # noqa: F401
@@ -73,13 +69,10 @@ def _math_dtype(t: Tensor) -> torch.dtype:
 
 
 # ------------------------------------------------------------------------------------------------ gate update
-def gated_update(z: Tensor, h: Tensor, o: Tensor, tau: float = 1.0, sigma_g: float = 0.0) -> tuple[Tensor, Tensor]:
-    """(h', g) in plain PyTorch, for analysis code that needs g itself (evaluation, diagnostics); ``sigma_g`` > 0
-    draws the noise from the global generator. Training goes through :func:`gate_update`."""
-    logits = z / tau
-    if sigma_g > 0:
-        logits = logits + sigma_g * torch.randn_like(logits)
-    g = torch.sigmoid(logits)
+def gated_update(z: Tensor, h: Tensor, o: Tensor, tau: float = 1.0) -> tuple[Tensor, Tensor]:
+    """(h', g) without noise in plain PyTorch, for analysis code that needs g itself (evaluation, diagnostics).
+    Training goes through :func:`gate_update`."""
+    g = torch.sigmoid(z / tau)
     return o + g * (h - o), g
 
 
@@ -163,12 +156,8 @@ def _(h, sigma, seed):
     return torch.empty_like(h)
 
 
-def _noise_setup(ctx, inputs, output):
-    pass
-
-
 def _noise_backward(ctx, dy):
     return dy, None, None  # d(h + eps)/dh = 1
 
 
-state_noise.register_autograd(_noise_backward, setup_context=_noise_setup)
+state_noise.register_autograd(_noise_backward)

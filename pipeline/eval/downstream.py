@@ -10,8 +10,6 @@ import logging
 import time
 from pathlib import Path
 
-from pipeline.config import LOCAL_TASKS
-
 TASKS_DIR = Path(__file__).parent / "tasks"
 
 
@@ -22,6 +20,7 @@ def run_tasks(model, cfg, tasks: list[str], depths: list[int], batch_size: int, 
     from lm_eval.tasks import TaskManager
 
     from pipeline.eval.harness import DepthScorer, GRTLM
+    from pipeline.tokenize.bpe import gpt2_encoding
 
     if quiet:
         logging.getLogger("lm_eval").setLevel(logging.WARNING)
@@ -32,11 +31,8 @@ def run_tasks(model, cfg, tasks: list[str], depths: list[int], batch_size: int, 
     t0 = time.time()
     manager = TaskManager(include_path=str(TASKS_DIR), include_defaults=False,
                           metadata={"data_dir": data_dir} if data_dir else None)
-    unknown = [t for t in tasks if t not in manager.all_tasks]
-    if unknown:
-        raise ValueError(f"eval.tasks: unknown task(s) {unknown}; the local task configs are {list(LOCAL_TASKS)}")
-    first = GRTLM(model=model, cfg=cfg, n_steps=depths[0], batch_size=batch_size)
-    scorer = DepthScorer(model, depths, first.batch_size, first.max_length, first.eot_token_id)
+    # task names are checked against LOCAL_TASKS when the recipe is validated (EvalConfig)
+    scorer = DepthScorer(model, depths, batch_size, cfg.model.block_size, gpt2_encoding().eot_token)
     out: dict = {"tasks": list(tasks), "depths": {}, "limit": limit}
     for depth in depths:
         lm = GRTLM(model=model, cfg=cfg, n_steps=depth, batch_size=batch_size, scorer=scorer)

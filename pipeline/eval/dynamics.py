@@ -18,7 +18,6 @@ BANDS = {"bytes": (0, 255, "byte/punctuation, ids 0-255"), "common": (256, 2000,
 ANCHORS = {"prelude": "trained: fixed h_pre", "zeros": "zeros", "embedding": "input embedding",
            "previous": "previous state h^(r-1)"}
 GATE_FORCED = {"gate0": (0.0, "gate = 0: always write"), "gate1": (1.0, "gate = 1: always copy")}
-HEATMAP_PROMPTS = ["The old man sat by the", "def add(a, b):\n    return a + b", "In 1492, Columbus sailed across the"]
 
 
 def trace_steps(model, idx: torch.Tensor, n_steps: int, anchor: str = "prelude", gate_value: float | None = None):
@@ -33,16 +32,18 @@ def trace_steps(model, idx: torch.Tensor, n_steps: int, anchor: str = "prelude",
     fixed = {"prelude": h_pre, "zeros": torch.zeros_like(h_pre)}.get(anchor)
     if anchor == "embedding":
         fixed = model.embed(idx)
+    terms = step.anchor_terms(fixed) if fixed is not None else None  # the step's anchor halves, once
     for r in range(1, n_steps + 1):
-        a = h if anchor == "previous" else fixed
-        o = step.proposal(h, a, noise=False)
+        if anchor == "previous":
+            terms = step.anchor_terms(h)
+        o = step.proposal(h, None, False, None, terms)
         if gate_value is not None:
             g = torch.full_like(h, gate_value)
             h_new = g * h + (1 - g) * o
         elif step.gate is None:
             g, h_new = None, o
         else:
-            h_new, g = gated_update(step.gate(h, a), h, o, tau, 0.0)
+            h_new, g = gated_update(step.gate(h, terms[1]), h, o, tau)
         yield r, h, o, g, h_new
         h = h_new
 

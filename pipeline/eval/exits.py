@@ -78,11 +78,8 @@ def exit_curve(model, batches, exits: list[int], ref: int, device: torch.device,
     has_gate, tokens, per_token, ids = False, 0, [], []
     for x, y in batches:
         x, y = x.to(device), y.to(device)
-        states, gates = {}, {}
-        for item in model.exit_states(x, exits, with_gates=True) if _has_gates(model) else model.exit_states(x, exits):
-            states[item[0]] = item[1]
-            if len(item) == 3 and item[2] is not None:
-                gates[item[0]] = item[2]
+        gates: dict[int, float] = {}
+        states = dict(model.exit_states(x, exits, gates))
         losses, kl, agree = exit_stats(states, weight, y, ref)
         n = y.numel()
         loss_sum += losses.double().sum(dim=0)
@@ -104,10 +101,6 @@ def exit_curve(model, batches, exits: list[int], ref: int, device: torch.device,
         result["token_losses"] = torch.cat(per_token)
         result["token_ids"] = torch.cat(ids)
     return result
-
-
-def _has_gates(model) -> bool:
-    return getattr(getattr(model, "recur", None), "gate", None) is not None
 
 
 def exit_flops(cfg, exits: list[int]) -> list[int]:

@@ -18,6 +18,7 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tqdm import tqdm
 
 from pipeline.eval.scoring import greedy_generate, loglikelihoods
+from pipeline.model import model_class
 from pipeline.tokenize.bpe import gpt2_encoding
 
 
@@ -32,6 +33,8 @@ class DepthScorer:
 
     def loglikelihoods(self, requests: list[tuple[list[int], list[int]]], depth: int,
                        show_progress: bool = True) -> list[tuple[float, bool]]:
+        if depth not in self.depths:
+            raise ValueError(f"depth {depth} is not among this scorer's depths {self.depths}")
         keys = [(tuple(c), tuple(t)) for c, t in requests]
         todo = list(dict.fromkeys(k for k in keys if k not in self._done))
         if todo:
@@ -40,8 +43,6 @@ class DepthScorer:
                                      progress=bar.update)
             for j, k in enumerate(todo):
                 self._done[k] = {d: res[d][j] for d in self.depths}
-        if depth not in self.depths:
-            raise ValueError(f"depth {depth} is not among this scorer's depths {self.depths}")
         return [self._done[k][depth] for k in keys]
 
 
@@ -64,7 +65,7 @@ class GRTLM(TemplateLM):
 
             model, cfg, _, _ = load_trained(checkpoint, device=_device_arg(device))
         self.model, self.cfg = model, cfg
-        self.depth = int(n_steps) if n_steps is not None else default_depth(cfg.model)
+        self.depth = int(n_steps) if n_steps is not None else model_class(cfg.model.type).full_depth(cfg.model)
         self.batch_size = 32 if str(batch_size).startswith("auto") else int(batch_size)
         self.max_length = cfg.model.block_size
         self.max_gen_toks = int(max_gen_toks)
@@ -148,11 +149,6 @@ class GRTLM(TemplateLM):
 
     def get_model_info(self) -> dict:
         return {"grt_depth": self.depth, "grt_model": self.cfg.model.type, "grt_run": self.cfg.name}
-
-
-def default_depth(model_cfg) -> int:
-    """The depth a checkpoint was trained for: R (recurrent models) or the number of layers (dense)."""
-    return getattr(model_cfg, "n_recurrence", None) or model_cfg.n_layer
 
 
 def _device_arg(device: str | None) -> str:

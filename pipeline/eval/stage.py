@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from pipeline.config import apply_overrides, from_dict
-from pipeline.model import build_model, model_info
+from pipeline.model import build_model, model_class, model_info
 from pipeline.tracking import open_tracker
 from pipeline.train.backend import pick_device
 from pipeline.train.checkpoint import load_checkpoint, resolve_checkpoint
@@ -68,7 +68,7 @@ def evaluate(path: str | Path, overrides: list[str] | None = None, quiet: bool =
     ev = cfg.eval
     recurrent = cfg.model.type != "gpt"
     trained_depth = getattr(cfg.model, "n_recurrence", None)
-    ref = trained_depth if recurrent else cfg.model.n_layer
+    ref = model_class(cfg.model.type).full_depth(cfg.model)
     n_max = ev.max_steps or (2 * trained_depth if recurrent else cfg.model.n_layer)
     exits = list(range(0 if recurrent else 1, n_max + 1))
     val = TokenShards(cfg.data.training_datasets()[0][0], "val")
@@ -116,9 +116,10 @@ def evaluate(path: str | Path, overrides: list[str] | None = None, quiet: bool =
         if result["diagnostics"].get("gate_heatmaps"):
             plots.append(plot_gate_heatmaps(result["diagnostics"]["gate_heatmaps"], out_dir / "gate_heatmap.png"))
     result["seconds"] = round(time.time() - t0, 2)
-    result["plot"] = str(plots[0])
     result["plots"] = [str(p) for p in plots]
     (out_dir / "exits.json").write_text(json.dumps(result, indent=2))
+    if ev.tasks:
+        (out_dir / "downstream.json").write_text(json.dumps(result["downstream"], indent=2))
     if cfg.tracking.enabled:
         result["mlflow_run_id"] = log_to_mlflow(cfg, state, result, out_dir, plots)
     if not quiet:
@@ -172,7 +173,6 @@ def log_to_mlflow(cfg, state: dict, result: dict, out_dir: Path, plots: list[Pat
         tracker.log_metrics({f"downstream.{task}.{metric}": value for task, row in tasks.items()
                              for metric, value in row.items()}, step=int(depth))
     if result.get("downstream"):
-        (out_dir / "downstream.json").write_text(json.dumps(result["downstream"], indent=2))
         tracker.log_artifact(out_dir / "downstream.json", "eval")
     tracker.log_artifact(out_dir / "exits.json", "eval")
     for p in plots:
@@ -220,4 +220,5 @@ def print_report(result: dict) -> None:
                 metric, value = headline(row)
                 cells.append(f"{task} {metric} {value:.4f} (n={row['items']:,})")
             print(f"    depth {depth}: " + "; ".join(cells))
-    print(f"  saved {Path(result['plot']).parent}/: exits.json, " + ", ".join(Path(p).name for p in result["plots"]))
+    saved = ["exits.json"] + (["downstream.json"] if ds else []) + [Path(p).name for p in result["plots"]]
+    print(f"  saved {Path(result['plots'][0]).parent}/: " + ", ".join(saved))

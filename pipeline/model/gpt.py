@@ -40,8 +40,9 @@ class GPT(nn.Module):
             cache.advance(idx.shape[1])
         return self.head(h, targets)
 
-    def exit_states(self, idx: torch.Tensor, exits):
-        """One pass, yielding (layer l, final-LN'd states after layer l) for each l in ``exits``."""
+    def exit_states(self, idx: torch.Tensor, exits, gates: dict | None = None):
+        """One pass, yielding (layer l, final-LN'd states after layer l) for each l in ``exits`` (no gates: a
+        ``gates`` dict stays empty)."""
         wanted = sorted(set(exits))
         h = self.embed(idx)
         for l, block in enumerate(self.blocks[: self._exit_layer(wanted[-1])], 1):
@@ -55,6 +56,11 @@ class GPT(nn.Module):
         exits = range(1, self._exit_layer(n_steps) + 1)
         losses = [head_output(self.lm_head, s, targets)[1].item() for _, s in self.exit_states(idx, exits)]
         return {"exit": list(exits), "loss": losses}
+
+    @staticmethod
+    def full_depth(cfg: GPTConfig) -> int:
+        """The full depth: every layer."""
+        return cfg.n_layer
 
     def _exit_layer(self, n_steps: int | None) -> int:
         L = self.cfg.n_layer
@@ -79,7 +85,8 @@ class GPT(nn.Module):
     @staticmethod
     def flops_per_token(cfg: GPTConfig, n_steps: int | None = None, with_head: bool = False,
                         seq_len: int | None = None, executed: bool = False) -> int:
-        """Paper Eq. 1 with no recurrence: L(24d^2 + 4Sd); ``n_steps`` = exit layer."""
+        """Paper Eq. 1 with no recurrence: L(24d^2 + 4Sd); ``n_steps`` = exit layer. ``executed`` changes nothing
+        here (no step overhead to save); it is there for parity with recurrent models."""
         S = seq_len or cfg.block_size
         f = GPT.block_executions(cfg, n_steps) * block_flops_per_token(cfg.d_model, S)
         return f + (head_flops_per_token(cfg.d_model, cfg.vocab_size) if with_head else 0)

@@ -57,10 +57,8 @@ class Gate(nn.Module):
         """W1_a LN(h_pre) + b1: the part of the first layer that is the same at every step."""
         return self.fc1(self.ln_pre(h_pre), part="a")
 
-    def forward(self, h: torch.Tensor, h_pre: torch.Tensor, anchor: torch.Tensor | None = None) -> torch.Tensor:
-        """The gate logits z (before / tau and the noise)."""
-        if anchor is None:
-            anchor = self.anchor_term(h_pre)
+    def forward(self, h: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
+        """The gate logits z (before / tau and the noise); ``anchor`` is :meth:`anchor_term` of the step's anchor."""
         return self.fc2(F.silu(self.fc1(self.ln_h(h), part="x") + anchor))
 
 
@@ -86,13 +84,14 @@ class RecurrentStep(nn.Module):
 
     def proposal(self, h: torch.Tensor, h_pre: torch.Tensor, noise: bool, cache: KVCache | None = None,
                  anchor: tuple | None = None) -> torch.Tensor:
-        """o = core(W_proj([h + eps_x, h_pre])): what the step would write with the gate fully open."""
+        """o = core(W_proj([h + eps_x, h_pre])): what the step would write with the gate fully open. ``anchor``:
+        :meth:`anchor_terms` of h_pre, computed here when not given."""
         cfg = self.cfg
         x = h
         if noise and cfg.state_noise == "every_step" and cfg.sigma_x > 0:
             x = state_noise(h, cfg.sigma_x, new_seed())
         if self.proj is not None:
-            a = anchor[0] if anchor is not None else self.proj(h_pre, part="a")
+            a = (anchor if anchor is not None else self.anchor_terms(h_pre))[0]
             o = self.proj(x, part="x") + a
         else:
             o = x
@@ -109,7 +108,7 @@ class RecurrentStep(nn.Module):
         o = self.proposal(h, h_pre, noise, cache, anchor)
         if self.gate is None:
             return o, None, anchor
-        z = self.gate(h, h_pre, anchor[1])
+        z = self.gate(h, anchor[1])
         if need_gate:
             if noise:
                 raise ValueError("need_gate is for evaluation (noise off)")
@@ -198,31 +197,36 @@ class GRT(nn.Module):
             cache.advance(idx.shape[1])
         return out
 
-    def exit_states(self, idx: torch.Tensor, exits, with_gates: bool = False):
+    def exit_states(self, idx: torch.Tensor, exits, gates: dict | None = None):
         """One pass (noise off), yielding (r, coda + final LN of h^(r)) for each r in ``exits`` (0 = the initial
-        state), and the gate's mean at r when ``with_gates``."""
+        state). A ``gates`` dict receives the gate's mean at each yielded r >= 1 (when the model has a gate)."""
         wanted = sorted(set(exits))
+        need_gate = gates is not None and self.recur.gate is not None
         h_pre = self.encode(idx)
         h = self.initial_state(h_pre, noise=False)
         g = anchor = None
         for r in range(wanted[-1] + 1):
             if r > 0:
-                h, g, anchor = self.recur(h, h_pre, False, None, anchor, need_gate=with_gates)
+                h, g, anchor = self.recur(h, h_pre, False, None, anchor, need_gate=need_gate)
             if r in wanted:
-                states = self.readout(h)
-                yield (r, states, None if g is None else g.float().mean().item()) if with_gates else (r, states)
+                if g is not None:
+                    gates[r] = g.float().mean().item()
+                yield r, self.readout(h)
 
     @torch.no_grad()
     def exit_losses(self, idx: torch.Tensor, targets: torch.Tensor, n_steps: int | None = None) -> dict:
         """The early-exit curve in one pass: loss after every step r = 1..n (coda + head on each h^(r)), noise off,
         and the gate's mean per step."""
         n = self.cfg.n_recurrence if n_steps is None else n_steps
-        losses, gates = [], []
-        for r, states, g in self.exit_states(idx, range(n + 1), with_gates=True):
-            losses.append(head_output(self.lm_head, states, targets)[1].item())
-            if g is not None:
-                gates.append(g)
-        return vars(ExitCurve(list(range(1, n + 1)), losses[1:], gates or None, losses[0]))
+        gates: dict[int, float] = {}
+        losses = [head_output(self.lm_head, states, targets)[1].item()
+                  for _, states in self.exit_states(idx, range(n + 1), gates)]
+        return vars(ExitCurve(list(range(1, n + 1)), losses[1:], list(gates.values()) or None, losses[0]))
+
+    @staticmethod
+    def full_depth(cfg: GRTConfig) -> int:
+        """The depth the model was trained for: R."""
+        return cfg.n_recurrence
 
     # --------------------------------------------------------------------------------------------- accounting
     def train_depth(self, seed: int, step: int) -> int:

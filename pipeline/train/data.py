@@ -109,11 +109,6 @@ class SequenceLoader:
         return _to_batch([self.datasets[k].window_at(self.index[k], r, self.seq_len) for k, r in self.next_indices()])
 
     @property
-    def cursor(self) -> int:
-        """Samples consumed over all ranks."""
-        return sum(self.counts)
-
-    @property
     def epoch(self) -> float:
         return self.counts[0] / self.n_samples[0]
 
