@@ -13,8 +13,8 @@ setup(
     name="grt-pipeline",
     version="0.1.0",
     description="tokenize -> train -> eval pipeline for Gated Recurrent Transformers and dense baselines",
-    packages=find_packages(include=["pipeline", "pipeline.*", "ops", "ops.*"]),
-    package_data={"pipeline": ["py.typed", "eval/tasks/*.yaml"]},
+    packages=find_packages(include=["pipeline", "pipeline.*", "ops", "ops.*", "launch", "launch.*"]),
+    package_data={"pipeline": ["py.typed", "eval/tasks/*.yaml"], "launch": ["templates/*"]},
     data_files=[(SITE_PACKAGES, [PTH])],
     python_requires=">=3.10",
     install_requires=[
@@ -31,6 +31,8 @@ setup(
         "tqdm>=4.66,<5",
         "deepspeed>=0.15,<0.20",
         "lm-eval==0.4.13",
+        "safetensors>=0.4,<1",
+        "psutil>=5.9",  # rank-0 peak memory of checkpoint saves
     ],
     # triton: CUDA torch wheels bring their own; the CPU tests run the kernels in Triton's interpreter
     extras_require={"test": ["pytest>=8,<10", "triton>=3.2,<4"]},

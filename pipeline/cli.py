@@ -12,7 +12,7 @@ OVERRIDES_HELP = "recipe overrides key.sub=value (e.g. train.max_steps=100 model
 
 
 def _recipe(args):
-    return load_recipe(args.recipe, args.overrides)
+    return load_recipe(args.recipe, args.overrides, data=getattr(args, "data", None))
 
 
 def cmd_info(args) -> int:
@@ -141,6 +141,9 @@ def build_parser() -> argparse.ArgumentParser:
         s = sub.add_parser(name, help=help_)
         s.add_argument("recipe", help="YAML recipe (recipes/...)")
         s.add_argument("overrides", nargs="*", help=OVERRIDES_HELP)
+        s.add_argument("--data", metavar="DATA_RECIPE", default=None,
+                       help="a data recipe (recipes/data/*.yaml) whose data: section replaces the recipe's; the run "
+                            "name gets its file stem appended; overrides still win")
         s.set_defaults(fn=fn)
         return s
 
@@ -176,11 +179,25 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--format", default="table", choices=["table", "markdown", "csv", "json"])
     s.add_argument("--out", default="runs/compare", help="folder for the overlay plot and the table file")
     s.set_defaults(fn=cmd_compare)
+    # subcommands that live with their stage
+    from launch.cli import add_launch_parser
+    from pipeline.tracking_sync import add_track_parser
+    from pipeline.train.convert import add_checkpoint_parser
+
+    add_launch_parser(sub)
+    add_checkpoint_parser(sub)
+    add_track_parser(sub)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    # argparse stops the overrides at the first option: `grt train R --data D k=v` leaves k=v over; take it back
+    if extra and hasattr(args, "overrides") and all("=" in a and not a.startswith("-") for a in extra):
+        args.overrides = [*args.overrides, *extra]
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         return args.fn(args)
     except RecipeError as e:

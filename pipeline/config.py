@@ -206,6 +206,10 @@ class TrainConfig:
     eval_batches: int = 20
     checkpoint_interval: int = 1000
     keep_checkpoints: int = 3
+    # auto: sharded for fsdp and deepspeed, full for single and ddp. full: one state.pt gathered on rank 0 (loads
+    # anywhere); sharded: torch.distributed.checkpoint, every rank writes its own shards (deepspeed: its own format)
+    checkpoint_format: str = "auto"
+    async_checkpoint: bool = False  # sharded torch checkpoints: write in the background (dcp.async_save)
     resume: str = "auto"  # auto: continue from the run folder's latest checkpoint | never
     threads: Optional[int] = None  # torch intra-op threads on CPU (default: torch's choice)
 
@@ -218,6 +222,15 @@ class TrainConfig:
         p += _choice("train.device", self.device, ["auto", "cpu", "cuda"])
         p += _choice("train.dtype", self.dtype, ["auto", "float32", "bfloat16"])
         p += _choice("train.resume", self.resume, ["auto", "never"])
+        p += _choice("train.checkpoint_format", self.checkpoint_format, ["auto", "full", "sharded"])
+        if self.backend == "deepspeed" and self.checkpoint_format == "full":
+            p.append("train.checkpoint_format=full with train.backend=deepspeed: DeepSpeed writes its own sharded "
+                     "format; use checkpoint_format auto or sharded, and `grt checkpoint convert RUN --to full` for "
+                     "one file")
+        if self.async_checkpoint and (self.backend == "deepspeed" or self.resolved_checkpoint_format() != "sharded"):
+            p.append(f"train.async_checkpoint=true needs sharded torch checkpoints (backend single, ddp or fsdp with "
+                     f"checkpoint_format sharded), got backend={self.backend}, checkpoint_format="
+                     f"{self.checkpoint_format}; set train.checkpoint_format=sharded or async_checkpoint=false")
         p += _at_least(self, "train", ("micro_batch_size", "grad_accum_steps", "max_steps", "log_interval",
                                         "eval_interval", "eval_batches", "checkpoint_interval", "keep_checkpoints",
                                         "collective_timeout_s", "max_bad_steps"), 1)
@@ -227,6 +240,12 @@ class TrainConfig:
         if self.grad_clip < 0:
             p.append(f"train.grad_clip must be >= 0 (0 turns clipping off), got {self.grad_clip}")
         return p
+
+    def resolved_checkpoint_format(self) -> str:
+        """full | sharded (deepspeed: its own sharded format)."""
+        if self.checkpoint_format != "auto":
+            return self.checkpoint_format
+        return "sharded" if self.backend in ("fsdp", "deepspeed") else "full"
 
 
 # Downstream tasks with local task configs (pipeline/eval/tasks/), named as in lm-eval.
@@ -274,6 +293,7 @@ class TrackingConfig:
     uri: str = "sqlite:///mlflow.db"
     experiment: str = "grt-pipeline"
     tags: dict = field(default_factory=dict)  # MLflow run tags, e.g. {study: ablation}; `grt compare --tag` selects by them
+    system_metrics: bool = False  # CPU/memory/disk/network (and GPU with nvidia-ml-py) as system/... metrics
 
     def validate(self) -> list[str]:
         p = [] if self.uri else ["tracking.uri is empty"]
@@ -500,13 +520,34 @@ def from_dict(data: dict, source: str = "recipe") -> RunConfig:
     return cfg
 
 
-def load_recipe(path: str | Path, overrides: list[str] | None = None) -> RunConfig:
-    """Recipe file + overrides -> validated :class:`RunConfig` (raises :class:`RecipeError` listing all problems)."""
-    data = load_yaml_with_bases(path)
-    data, problems = apply_overrides(data, list(overrides or []))
+def load_recipe(path: str | Path, overrides: list[str] | None = None,
+                data: str | Path | None = None) -> RunConfig:
+    """Recipe file (+ data recipe) + overrides -> validated :class:`RunConfig` (raises :class:`RecipeError` listing
+    all problems).
+
+    ``data`` names a data recipe (``recipes/data/*.yaml``: a ``data:`` section and optionally ``base:``). Its section
+    *replaces* the recipe's whole ``data:`` section after both files' bases are resolved — a merge would keep the
+    recipe's own sources next to the new ones — and the run name gets the data recipe's file stem appended, so the
+    same model on other data is another run. Overrides apply last and win over both.
+    """
+    recipe = load_yaml_with_bases(path)
+    source = str(path)
+    if data is not None:
+        section = load_yaml_with_bases(data)
+        extra = sorted(k for k in section if k != "data")
+        problems = [f"found '{k}': a data recipe holds only a 'data:' section (and 'base:'); move '{k}' to the "
+                    f"recipe or set it with a command-line override" for k in extra]
+        if "data" not in section:
+            problems.append("no 'data:' section: write the sources under 'data:' (see recipes/data/)")
+        if problems:
+            raise RecipeError(problems, str(data))
+        recipe["data"] = section["data"]
+        recipe["name"] = f"{recipe.get('name', RunConfig.name)}-{Path(data).stem}"
+        source = f"{path} --data {data}"
+    recipe, problems = apply_overrides(recipe, list(overrides or []))
     if problems:
-        raise RecipeError(problems, str(path))
-    return from_dict(data, str(path))
+        raise RecipeError(problems, source)
+    return from_dict(recipe, source)
 
 
 def config_hash(obj: Any) -> str:

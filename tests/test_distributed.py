@@ -182,8 +182,42 @@ def test_non_finite_steps_are_skipped_then_the_run_stops(setup):
 
 def test_eval_reads_checkpoints_of_every_backend(setup, uninterrupted):
     from pipeline.eval.stage import evaluate
+    from pipeline.train.convert import convert
 
     tmp, _ = setup
     losses = {b: evaluate(tmp / "runs" / f"full-{b}", quiet=True)["loss"] for b in ("single", "fsdp", "zero3")}
     for b in ("fsdp", "zero3"):  # the same weights (to reduction order), read from a full or a sharded checkpoint
         assert losses[b] == pytest.approx(losses["single"], rel=1e-4)
+    # ZeRO-3 shards -> one safetensors file / one full state.pt: the same weights without DeepSpeed's topology
+    for to in ("safetensors", "full"):
+        out = convert(tmp / "runs" / "full-zero3", to)
+        assert evaluate(out, quiet=True)["loss"] == losses["zero3"], to
+
+
+def test_deepspeed_resumes_on_another_world_size_through_the_universal_checkpoint(setup, uninterrupted):
+    """A ZeRO-1 checkpoint written by 2 ranks resumes on 1 (DeepSpeed's universal checkpoint); ZeRO-3, whose
+    universal loading does not restore the optimizer state in the installed DeepSpeed, is refused with the reason."""
+    import shutil
+
+    import deepspeed
+
+    tmp, recipe = setup
+    for stage in (1, 3):
+        name = f"zero{stage}-2to1"
+        shutil.copytree(tmp / "runs" / f"full-zero{stage}", tmp / "runs" / name)
+        for later in (16, 20):  # back to the state after step 8, as if the job had stopped there
+            shutil.rmtree(tmp / "runs" / name / "checkpoints" / f"step_{later:08d}")
+        p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "--master_port",
+                            str(29480 + stage), "-m", "pipeline.cli", "train", str(recipe), f"name={name}",
+                            *BACKENDS[f"zero{stage}"]], cwd=REPO, env=env(), capture_output=True, text=True,
+                           timeout=600)
+        if stage == 3:
+            assert p.returncode != 0
+            assert (f"written by 2 ranks with ZeRO-3, and DeepSpeed {deepspeed.__version__}'s universal checkpoint "
+                    f"does not restore ZeRO-3 optimizer state") in p.stderr, p.stderr[-3000:]
+            continue
+        assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+        assert "resumed at step 8 on deepspeed x1" in p.stdout
+        resumed, full = step_losses(tmp / "runs" / name), uninterrupted[f"zero{stage}"]
+        for step in range(CKPT_EVERY + 1, STEPS + 1):
+            assert resumed[step] == pytest.approx(full[step], rel=1e-5, abs=1e-6), step

@@ -12,7 +12,7 @@ from pipeline.config import apply_overrides, from_dict
 from pipeline.model import build_model, model_class, model_info
 from pipeline.tracking import open_tracker
 from pipeline.train.backend import pick_device
-from pipeline.train.checkpoint import load_checkpoint, resolve_checkpoint
+from pipeline.train.checkpoint import full_model_state, load_checkpoint, resolve_checkpoint
 from pipeline.train.data import TokenShards, validation_batches
 from pipeline.eval.dynamics import anchor_ablation, band_losses, decile_losses, gate_heatmaps, step_statistics
 from pipeline.eval.exits import exit_curve, exit_flops
@@ -29,26 +29,8 @@ def load_trained(path: str | Path, overrides: list[str] | None = None, device: s
         raise ValueError("; ".join(problems))
     dev = pick_device(device)
     model = build_model(cfg.model)
-    model.load_state_dict(model_weights(ckpt, state))
+    model.load_state_dict(full_model_state(ckpt, state))
     return model.to(dev).eval(), cfg, state, ckpt
-
-
-def model_weights(ckpt: Path, state: dict) -> dict:
-    """The full model state dict of a checkpoint: stored as is (single, ddp, fsdp), or consolidated from the
-    DeepSpeed ZeRO shards in the step folder."""
-    if "model" in state:
-        return state["model"]
-    if (ckpt.parent / "deepspeed").is_dir():
-        import logging
-
-        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
-        logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
-        weights = get_fp32_state_dict_from_zero_checkpoint(str(ckpt.parent), tag="deepspeed")
-        if "lm_head.weight" not in weights and "embed.wte.weight" in weights:
-            weights["lm_head.weight"] = weights["embed.wte.weight"]  # tied: DeepSpeed stores it once
-        return weights
-    raise ValueError(f"{ckpt} holds no model weights and no DeepSpeed shards beside it")
 
 
 def run_dir_of(ckpt: Path) -> Path:
@@ -148,7 +130,7 @@ def diagnostics(model, cfg, curve: dict, batches, n_max: int, ref: int, device) 
 def log_to_mlflow(cfg, state: dict, result: dict, out_dir: Path, plots: list[Path]) -> str:
     """Metrics with step = exit / recurrence step / depth, so MLflow draws them as curves; the JSON and plots as
     artifacts under eval/."""
-    tracker = open_tracker(cfg.tracking, cfg.name, state.get("mlflow_run_id"))
+    tracker = open_tracker(cfg.tracking, cfg.name, state.get("mlflow_run_id"), run_dir=out_dir.parent)
     for i, e in enumerate(result["exit"]):
         m = {"eval.exit_loss": result["loss"][i], "eval.exit_kl": result["kl"][i], "eval.exit_top1": result["top1"][i]}
         if result.get("gate_mean"):

@@ -6,7 +6,7 @@ import torch.nn as nn
 
 from pipeline.config import GPTConfig
 from pipeline.model.layers import (Block, KVCache, LayerNorm, TokenEmbedding, block_flops_per_token, cache_slot,
-                                   head_flops_per_token, head_output, init_gpt2_weights)
+                                   copy_full, head_flops_per_token, head_output, init_gpt2_weights)
 
 
 class GPT(nn.Module):
@@ -19,8 +19,11 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleList(Block(cfg.d_model, cfg.n_head, cfg.dropout, cfg.bias) for _ in range(cfg.n_layer))
         self.ln_f = LayerNorm(cfg.d_model, cfg.bias)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
-        init_gpt2_weights(self, cfg.n_layer)
         self.lm_head.weight = self.embed.wte.weight  # tied head
+
+    def init_weights(self, seed: int, assign=copy_full) -> None:
+        """GPT-2 init, each parameter from its own generator seeded by (seed, name) (see ``init_gpt2_weights``)."""
+        init_gpt2_weights(self, self.cfg.n_layer, seed, assign)
 
     def head(self, h: torch.Tensor, targets: torch.Tensor | None):
         """(logits, None) without targets; (None, loss) with them (the fused loss never builds the logits)."""

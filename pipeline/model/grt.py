@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from ops import gate_update, gated_update, new_seed, state_noise
 from pipeline.config import GRTConfig
 from pipeline.model.layers import (Block, KVCache, LayerNorm, TokenEmbedding, block_flops_per_token, cache_slot,
-                                   head_flops_per_token, head_output, init_gpt2_weights)
+                                   copy_full, head_flops_per_token, head_output, init_gpt2_weights)
 
 
 class SplitLinear(nn.Linear):
@@ -48,10 +48,7 @@ class Gate(nn.Module):
         self.ln_pre = LayerNorm(d, bias)
         self.fc1 = SplitLinear(2 * d, d)
         self.fc2 = nn.Linear(d, d)
-        self.bias_init = bias_init
-
-    def reset_bias(self) -> None:
-        nn.init.constant_(self.fc2.bias, self.bias_init)  # paper §3.3: +4 -> g ~ 0.98 at init
+        self.fc2.bias_init = bias_init  # paper §3.3: +4 -> g ~ 0.98 at init (read by gpt2_init_value)
 
     def anchor_term(self, h_pre: torch.Tensor) -> torch.Tensor:
         """W1_a LN(h_pre) + b1: the part of the first layer that is the same at every step."""
@@ -139,11 +136,13 @@ class GRT(nn.Module):
         self.coda = nn.ModuleList(Block(d, cfg.n_head, cfg.dropout, cfg.bias) for _ in range(cfg.n_coda))
         self.ln_f = LayerNorm(d, cfg.bias)
         self.lm_head = nn.Linear(d, cfg.vocab_size, bias=False)
-        # Residual projections scaled as in GPT-2 by the depth the residual stream actually sees at R.
-        init_gpt2_weights(self, self.block_executions(cfg))
-        if self.recur.gate is not None:
-            self.recur.gate.reset_bias()
         self.lm_head.weight = self.embed.wte.weight  # tied head
+
+    def init_weights(self, seed: int, assign=copy_full) -> None:
+        """GPT-2 init, each parameter from its own generator seeded by (seed, name) (see ``init_gpt2_weights``); the
+        gate's last bias at ``gate_bias_init``. Residual projections are scaled as in GPT-2 by the depth the
+        residual stream actually sees at R."""
+        init_gpt2_weights(self, self.block_executions(self.cfg), seed, assign)
 
     # ------------------------------------------------------------------------------------------------ forward
     def encode(self, idx: torch.Tensor, start: int = 0, cache: KVCache | None = None) -> torch.Tensor:

@@ -1,7 +1,10 @@
 """Transformer building blocks shared by every model here: GPT-2's pre-LN block (nanoGPT-equivalent)."""
 from __future__ import annotations
 
+import functools
+import hashlib
 import math
+from typing import Callable
 
 import torch
 import torch.nn as nn
@@ -137,21 +140,49 @@ class TokenEmbedding(nn.Module):
         return self.drop(self.wte(idx) + self.wpe(pos))
 
 
-def init_gpt2_weights(model: nn.Module, n_residual_layers: int) -> None:
-    """GPT-2 init: N(0, 0.02) for linears and embeddings, zero biases, residual projections N(0, 0.02/sqrt(2L)).
+def param_seed(seed: int, name: str) -> int:
+    """The seed of parameter ``name``'s own generator: its initial value depends on (seed, name) alone, not on the
+    order of construction, the device or how the parameter is sharded."""
+    return int.from_bytes(hashlib.sha256(f"init:{seed}:{name}".encode()).digest()[:8], "little")
+
+
+def gpt2_init_value(module: nn.Module, attr: str, shape: torch.Size, gen: torch.Generator,
+                    std_resid: float) -> torch.Tensor:
+    """The full fp32 CPU initial value of ``module.<attr>`` under the GPT-2 rule: N(0, 0.02) for linear and embedding
+    weights, N(0, std_resid) for residual projections (``is_residual_projection``), biases at the module's
+    ``bias_init`` (0 unless set), LayerNorm weight 1 and bias 0."""
+    if isinstance(module, LayerNorm):
+        return torch.ones(shape) if attr == "weight" else torch.zeros(shape)
+    if isinstance(module, nn.Linear) and attr == "bias":
+        return torch.full(shape, float(getattr(module, "bias_init", 0.0)))
+    if isinstance(module, (nn.Linear, nn.Embedding)) and attr == "weight":
+        std = std_resid if getattr(module, "is_residual_projection", False) else 0.02
+        return torch.empty(shape).normal_(0.0, std, generator=gen)
+    raise TypeError(f"no initialisation rule for parameter {attr!r} of {type(module).__name__}; add one to "
+                    f"pipeline.model.layers.gpt2_init_value")
+
+
+def copy_full(param: nn.Parameter, make: Callable[[torch.Size], torch.Tensor]) -> None:
+    """Write a parameter held whole on this process: ``make(shape)`` is its full initial value."""
+    param.copy_(make(param.shape))
+
+
+@torch.no_grad()
+def init_gpt2_weights(model: nn.Module, n_residual_layers: int, seed: int, assign=copy_full) -> None:
+    """GPT-2 init of every parameter, each from its own generator seeded by (seed, parameter name), one parameter at a
+    time; ``assign(param, make)`` writes ``make(full_shape)`` into the parameter (:func:`copy_full` for a whole
+    tensor; the trainer passes one that keeps only this rank's shard). A tied parameter is written once, under its
+    first name.
 
     ``n_residual_layers`` is the number of block applications on the residual path (for GRT: block executions at
     the maximum depth), as in GPT-2 where it is the number of layers.
     """
     std_resid = 0.02 / math.sqrt(2 * n_residual_layers)
-    for module in model.modules():
-        if isinstance(module, nn.Linear):
-            std = std_resid if getattr(module, "is_residual_projection", False) else 0.02
-            nn.init.normal_(module.weight, mean=0.0, std=std)
-            if module.bias is not None:
-                nn.init.zeros_(module.bias)
-        elif isinstance(module, nn.Embedding):
-            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+    modules = dict(model.named_modules())
+    for name, param in model.named_parameters():
+        owner, _, attr = name.rpartition(".")
+        gen = torch.Generator().manual_seed(param_seed(seed, name))
+        assign(param, functools.partial(gpt2_init_value, modules[owner], attr, gen=gen, std_resid=std_resid))
 
 
 def head_output(lm_head: nn.Linear, h: torch.Tensor, targets: torch.Tensor | None):

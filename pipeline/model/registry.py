@@ -20,12 +20,18 @@ def model_class(model_type: str):
     return getattr(importlib.import_module(module), cls)
 
 
-def build_model(cfg: ModelConfig, device=None):
-    """Instantiate the model for ``cfg`` (``device='meta'`` allocates nothing, for counting)."""
+def build_model(cfg: ModelConfig, device=None, seed: int | None = None):
+    """The model for ``cfg`` with its GPT-2 initial weights, each parameter drawn from its own generator seeded by
+    (``seed``, its name); ``seed`` defaults to ``torch.initial_seed()``, so ``torch.manual_seed(s); build_model(cfg)``
+    gives the weights of seed s. ``device='meta'`` allocates and initialises nothing (for counting, or to be sharded
+    and then materialised: :mod:`pipeline.train.materialize`)."""
     import torch
 
     with torch.device(device or "cpu"):
-        return model_class(cfg.type)(cfg)
+        model = model_class(cfg.type)(cfg)
+    if torch.device(device or "cpu").type != "meta":
+        model.init_weights(torch.initial_seed() if seed is None else seed)
+    return model
 
 
 def count_params(model) -> dict[str, int]:

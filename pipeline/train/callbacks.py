@@ -3,13 +3,14 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 
 class Callback:
     def on_train_start(self, trainer) -> None: ...
     def on_step_end(self, trainer, metrics: dict) -> None: ...
     def on_eval(self, trainer, metrics: dict) -> None: ...
-    def on_checkpoint(self, trainer, path) -> None: ...
+    def on_checkpoint(self, trainer, path, info: dict) -> None: ...
     def on_train_end(self, trainer, status: str) -> None: ...
 
 
@@ -32,8 +33,12 @@ def format_step_line(m: dict, max_steps: int) -> str:
 class ConsoleLogger(Callback):
     """Prints the step line every ``log_interval`` steps and appends every step's metrics to metrics.jsonl."""
 
-    def __init__(self, log_interval: int, stream=sys.stdout):
-        self.log_interval, self.stream = log_interval, stream
+    def __init__(self, log_interval: int, stream=None):
+        self.log_interval, self._stream = log_interval, stream
+
+    @property
+    def stream(self):
+        return self._stream or sys.stdout  # looked up when printing: sys.stdout may be replaced after import
         self._file = None
 
     def on_train_start(self, trainer) -> None:
@@ -56,8 +61,14 @@ class ConsoleLogger(Callback):
         print(f"eval step {metrics['step']} | val_loss {metrics['val_loss']:.4f} ({depth}{metrics['val_tokens']:,} "
               f"validation tokens, noise off)", file=self.stream, flush=True)
 
-    def on_checkpoint(self, trainer, path) -> None:
-        print(f"checkpoint {path}", file=self.stream, flush=True)
+    def on_checkpoint(self, trainer, path, info: dict) -> None:
+        self._file.write(json.dumps(info) + "\n")
+        self._file.flush()
+        rss = (f", rank-0 peak RSS {info['rss_peak_mb']:,.0f} MB ({info['rss_peak_over_before_mb']:+,.0f} MB over "
+               f"its RSS before the save)" if "rss_peak_mb" in info else "")
+        took = "published after" if trainer.cfg.train.async_checkpoint else "took"
+        print(f"checkpoint {path} ({info['format']}, {took} {info['checkpoint_s']:.2f} s{rss})", file=self.stream,
+              flush=True)
 
     def on_train_end(self, trainer, status: str) -> None:
         if self._file:
@@ -65,7 +76,8 @@ class ConsoleLogger(Callback):
 
 
 class TrackerCallback(Callback):
-    """Sends params (the flattened recipe and the model's figures), metrics and artifacts to the tracker."""
+    """Sends params (the flattened recipe and the model's figures), the tokenized datasets as the run's inputs,
+    metrics, artifacts and (with tracking.system_metrics) system metrics to the tracker."""
 
     STEP_KEYS = ("loss", "grad_norm", "lr", "depth", "tokens_per_s", "flops_per_token", "tokens_seen", "mem_gb",
                  "mfu", "skipped_steps")
@@ -80,10 +92,16 @@ class TrackerCallback(Callback):
         self.tracker.log_params(params)
         self.tracker.set_tags({"model.type": trainer.cfg.model.type, "shorthand": trainer.info["shorthand"],
                                "run_dir": str(trainer.run_dir.resolve())})
+        dataset_dirs = trainer.cfg.data.training_datasets()[0]
+        self.tracker.log_datasets(dataset_dirs, "train")
         self.tracker.log_artifact(trainer.run_dir / "recipe.yaml")
-        manifest = trainer.dataset_dir / "manifest.json"
-        if manifest.is_file():
-            self.tracker.log_artifact(manifest, "data")
+        for d in dataset_dirs:
+            self.tracker.log_artifact(Path(d) / "manifest.json", "data" if len(dataset_dirs) == 1
+                                      else f"data/{Path(d).name}")
+        if trainer.cfg.tracking.system_metrics:
+            self.tracker.start_system_metrics()
+        if self.tracker.ui_url:
+            print(f"tracking: MLflow run {self.tracker.run_id}: {self.tracker.ui_url}", flush=True)
 
     def on_step_end(self, trainer, metrics: dict) -> None:
         if metrics["step"] % trainer.cfg.train.log_interval == 0 or metrics["step"] == trainer.cfg.train.max_steps:
@@ -92,6 +110,3 @@ class TrackerCallback(Callback):
 
     def on_eval(self, trainer, metrics: dict) -> None:
         self.tracker.log_metrics({"val_loss": metrics["val_loss"]}, metrics["step"])
-
-    def on_train_end(self, trainer, status: str) -> None:
-        self.tracker.flush()

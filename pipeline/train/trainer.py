@@ -22,16 +22,16 @@ import torch
 
 from ops import set_backend as set_fused_ops_backend
 from pipeline.config import RunConfig
-from pipeline.model import build_model, model_class, model_info
+from pipeline.model import model_class, model_info
 from pipeline.tokenize.bpe import tokenizer_identity
-from pipeline.tracking import open_tracker
+from pipeline.tracking import open_training_tracker
 from pipeline.train.backend import build_backend
 from pipeline.train.callbacks import Callback, ConsoleLogger, TrackerCallback
 from pipeline.train.checkpoint import list_checkpoints, load_checkpoint, prepare_staging, publish, staging_dir
 from pipeline.train.data import SequenceLoader, TokenShards, validation_batches
+from pipeline.train.materialize import build_for_training
 from pipeline.train.mfu import device_peak_flops
 from pipeline.train.optim import build_optimizer, lr_at
-from pipeline.train.parallelize import parallelize
 
 
 def check_dataset_matches_model(manifest: dict, cfg: RunConfig, where: str = "the dataset") -> None:
@@ -78,7 +78,7 @@ class Trainer:
         tc = cfg.train
         if tc.threads:
             torch.set_num_threads(tc.threads)
-        torch.manual_seed(cfg.seed)  # the initial weights: the same on every rank
+        torch.manual_seed(cfg.seed)  # the global RNG too (the initial weights take cfg.seed explicitly)
         self.backend = build_backend(tc)
         self.device, self.amp_dtype = self.backend.device, self.backend.amp_dtype
         self.peak_flops = device_peak_flops(self.device)
@@ -104,9 +104,9 @@ class Trainer:
 
         self.model_cls = model_class(cfg.model.type)
         self.info = model_info(cfg.model)
-        self.raw_model = build_model(cfg.model)  # unwrapped: train_depth and friends stay reachable
         set_fused_ops_backend(tc.fused_ops)
-        parallelize(self.raw_model, tc, self.amp_dtype, self.device)
+        # built, sharded, materialised and initialised; unwrapped: train_depth and friends stay reachable
+        self.raw_model = build_for_training(cfg, self.backend)
         self.model, self.optimizer = self.backend.setup(
             self.raw_model, lambda m: build_optimizer(m, tc, self.device.type))
         self.step = 0
@@ -114,17 +114,17 @@ class Trainer:
         self.skipped_steps = 0
         self.tracker_run_id = None
         self._stop_requested = False
+        self._pending_save = None  # (future or None, step, start time, PeakRSS or None) of the save in flight
+        self.checkpoint_format = "deepspeed" if tc.backend == "deepspeed" else tc.resolved_checkpoint_format()
         self._resume()
-        self.tracker = None
         if self.backend.is_main:
             (self.run_dir / "recipe.yaml").write_text(cfg.to_yaml())
-            self.tracker = open_tracker(cfg.tracking, cfg.name, self.tracker_run_id,
-                                        {**{k: str(v) for k, v in cfg.tracking.tags.items()},
-                                         "model.type": cfg.model.type})
-            if self.tracker.run_id:
-                self.tracker_run_id = self.tracker.run_id
-                (self.run_dir / "run.json").write_text(json.dumps(
-                    {"mlflow_run_id": self.tracker.run_id, "tracking_uri": self.tracker.uri}, indent=2))
+        # every rank takes part (hostnames are gathered; a store that cannot be reached stops all); None off rank 0
+        self.tracker = open_training_tracker(cfg, self.run_dir, self.tracker_run_id, self.backend)
+        if self.tracker is not None and self.tracker.run_id:
+            self.tracker_run_id = self.tracker.run_id
+            (self.run_dir / "run.json").write_text(json.dumps(
+                {"mlflow_run_id": self.tracker.run_id, "tracking_uri": self.tracker.uri}, indent=2))
         if callbacks is not None:
             self.callbacks = list(callbacks)
         elif self.backend.is_main:
@@ -146,36 +146,56 @@ class Trainer:
         if diff:
             raise ValueError(f"cannot resume {found[-1]}: the model changed since it was saved ({'; '.join(diff)}). "
                              f"Restore the recipe or start a new run under another name=")
-        saved_backend = state["recipe"]["train"]["backend"]
-        if (saved_backend == "deepspeed") != (self.cfg.train.backend == "deepspeed"):
-            raise ValueError(f"cannot resume {found[-1]}: it was written by train.backend={saved_backend} and "
-                             f"DeepSpeed checkpoints do not load into other backends (nor the reverse); resume "
-                             f"with train.backend={saved_backend}")
         self.backend.load_model_optimizer(self.model, self.optimizer, found[-1], state)
         self.loader.load_state_dict(state["loader"])
         self.step = state["step"]
         self.skipped_steps = state.get("skipped_steps", 0)
         self.tracker_run_id = state.get("mlflow_run_id")
 
-    def save(self) -> Path:
-        """Every rank takes part (sharded states are gathered); rank 0 publishes the folder atomically."""
+    def save(self) -> Path | None:
+        """Every rank takes part; rank 0 publishes the folder atomically once every rank has written its part. With
+        ``train.async_checkpoint`` the shards are written in the background and published by :meth:`poll_save`
+        (returns None then)."""
+        self.finish_save()  # at most one save in flight
+        t0, rss = time.perf_counter(), PeakRSS() if self.backend.is_main else None
         if self.backend.is_main:
             prepare_staging(self.ckpt_dir, self.step)
         self.backend.barrier()
         tmp = staging_dir(self.ckpt_dir, self.step)
         state = {"step": self.step, "loader": self.loader.state_dict(), "recipe": self.cfg.to_dict(),
                  "mlflow_run_id": self.tracker_run_id, "info": self.info, "skipped_steps": self.skipped_steps,
-                 **self.backend.model_optimizer_state(self.model, self.optimizer)}
-        self.backend.save_model_optimizer(self.model, self.optimizer, tmp, state)
+                 "world_size": self.backend.world_size}
+        pending = self.backend.save_model_optimizer(self.model, self.optimizer, tmp, state)
         if self.step == FAULT_KILL_IN_SAVE:
             os.kill(os.getpid(), signal.SIGKILL)
+        self._pending_save = (pending, self.step, t0, rss)
+        if pending is None:
+            return self.finish_save()
+        return None
+
+    def poll_save(self) -> None:
+        """Publish an async save once every rank's background write has finished (one small collective)."""
+        if self._pending_save is not None and self.backend.all_true(self._pending_save[0].done()):
+            self.finish_save()
+
+    def finish_save(self) -> Path | None:
+        """Wait for the save in flight (if any) on every rank, then publish it."""
+        if self._pending_save is None:
+            return None
+        pending, step, t0, rss = self._pending_save
+        self._pending_save = None
+        if pending is not None:
+            pending.result()  # raises here if this rank's background write failed
         self.backend.barrier()
-        path = self.ckpt_dir / f"step_{self.step:08d}"
+        path = self.ckpt_dir / f"step_{step:08d}"
         if self.backend.is_main:
-            path = publish(self.ckpt_dir, self.step, self.cfg.to_yaml(), self.cfg.train.keep_checkpoints)
+            path = publish(self.ckpt_dir, step, self.cfg.to_yaml(), self.cfg.train.keep_checkpoints)
         self.backend.barrier()
+        info = {"checkpoint": step, "format": self.checkpoint_format, "checkpoint_s": time.perf_counter() - t0}
+        if rss is not None:
+            info.update(rss.measure())
         for cb in self.callbacks:
-            cb.on_checkpoint(self, path)
+            cb.on_checkpoint(self, path, info)
         return path
 
     # ------------------------------------------------------------------------------------------------ loop
@@ -283,13 +303,16 @@ class Trainer:
                     for cb in self.callbacks:
                         cb.on_eval(self, last_eval)
                 stop = not self.backend.all_true(not self._stop_requested)
+                self.poll_save()
                 if self.step % tc.checkpoint_interval == 0 or self.step == tc.max_steps or stop:
                     self.save()
                 if stop:
+                    self.finish_save()
                     status = "KILLED"
                     if self.backend.is_main:
                         print(f"SIGTERM: saved step {self.step} to {self.ckpt_dir}; resume with the same command")
                     return last_eval or {"step": self.step}
+            self.finish_save()
             if last_eval is None:  # resumed at max_steps: report the final loss anyway
                 last_eval = self.validate()
             status = "FINISHED"
@@ -304,6 +327,32 @@ class Trainer:
             if self.tracker is not None:
                 self.tracker.close(status)
             self.backend.close()
+
+
+class PeakRSS:
+    """This process's peak resident memory over a stretch of code (Linux: the kernel's high-water mark, reset by
+    writing 5 to /proc/self/clear_refs; elsewhere only the RSS at the end is known)."""
+
+    def __init__(self):
+        import psutil
+
+        self._proc = psutil.Process()
+        self.before = self._proc.memory_info().rss
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+            self.exact = True
+        except OSError:
+            self.exact = False
+
+    def measure(self) -> dict:
+        peak = None
+        if self.exact:
+            with open("/proc/self/status") as f:
+                peak = next((int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:")), None)
+        peak = max(peak or 0, self._proc.memory_info().rss)
+        return {"rss_before_mb": self.before / 2**20, "rss_peak_mb": peak / 2**20,
+                "rss_peak_over_before_mb": (peak - self.before) / 2**20}
 
 
 def train(cfg: RunConfig) -> dict:

@@ -1,0 +1,297 @@
+"""The preflight: everything about a training plan that can be checked before any process starts, every problem
+listed at once with its fix (``grt launch RECIPE --check`` exits 2 when ``report.ok`` is false).
+
+    batch       train.grad_accum_steps divisible by the world size (the trainer would refuse it at start-up)
+    memory      per rank, for the backend / ZeRO stage / activation checkpointing (launch/memory.py), against the
+                GPU's memory; when it does not fit, the first changes that make it fit
+    data        manifest present and consistent, tokenizer identity, enough tokens for max_steps (or the epochs)
+    tracking    the MLflow URI reachable (http) or writable (sqlite)
+    disk        free space under out_dir for keep_checkpoints + 1 checkpoints
+    env         the NCCL / gloo / rendezvous variables that are set and those that are not
+"""
+from __future__ import annotations
+
+import os
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from launch import memory
+from launch.memory import GiB, Plan
+
+ENV_VARS = ("MASTER_ADDR", "MASTER_PORT", "NCCL_SOCKET_IFNAME", "NCCL_IB_DISABLE", "NCCL_IB_HCA", "NCCL_DEBUG",
+            "NCCL_P2P_DISABLE", "NCCL_ASYNC_ERROR_HANDLING", "TORCH_NCCL_ASYNC_ERROR_HANDLING", "GLOO_SOCKET_IFNAME",
+            "CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS", "SLURM_JOB_ID")
+FULL_VERIFY_LIMIT = 1 << 30  # datasets up to 1 GiB get every sha256 rechecked; larger ones sizes + manifest only
+
+
+@dataclass
+class Report:
+    """What :func:`run_preflight` found: ``sections`` (title, lines) in order, and the ``problems`` (each with its
+    fix). ``ok`` when there are none."""
+
+    sections: list[tuple[str, list[str]]] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def render(self) -> str:
+        out = []
+        for title, lines in self.sections:
+            out.append(f"== {title}")
+            out += [f"  {ln}" for ln in lines]
+        if self.problems:
+            out.append(f"== {len(self.problems)} problem{'s' if len(self.problems) != 1 else ''}")
+            out += [f"  - {p}" for p in self.problems]
+        else:
+            out.append("== no problems found")
+        return "\n".join(out)
+
+
+def gb(n: float) -> str:
+    return f"{n / GiB:.2f} GiB"
+
+
+def run_preflight(cfg, nodes: int = 1, gpus_per_node: int = 1, gpu_mem_gb: float | None = None,
+                  check_data: bool = True, check_tracking: bool = True) -> Report:
+    """Check the plan of ``cfg`` (a :class:`pipeline.config.RunConfig`) on ``nodes`` x ``gpus_per_node`` ranks with
+    ``gpu_mem_gb`` GiB per device (an "80 GB" A100/H100 has 80 GiB) (None: the local CUDA device's, when there is one). ``check_data=False``
+    skips the dataset (e.g. before it is tokenized on the cluster)."""
+    rep = Report()
+    world = nodes * gpus_per_node
+    tc = cfg.train
+    bf16 = _resolves_to_bf16(tc)
+    tokens_per_step = tc.micro_batch_size * tc.grad_accum_steps * cfg.model.block_size
+    rep.sections.append(("plan", [
+        f"{nodes} node(s) x {gpus_per_node} rank(s) = world size {world}; backend {tc.backend}"
+        + (f" (ZeRO stage {tc.zero_stage})" if tc.backend == "deepspeed" else ""),
+        f"micro-batch {tc.micro_batch_size} x {cfg.model.block_size} tokens, grad_accum_steps {tc.grad_accum_steps} "
+        f"over all ranks ({tc.grad_accum_steps / world:g} per rank) = {tokens_per_step:,} tokens per step",
+        f"dtype {tc.dtype} -> {'bfloat16' if bf16 else 'float32'}; activation_checkpointing "
+        f"{tc.activation_checkpointing}; {tc.max_steps:,} steps = {tc.max_steps * tokens_per_step / 1e9:.3f}B tokens"]))
+    _check_batch(cfg, world, rep)
+    pc = _check_memory(cfg, world, gpu_mem_gb, bf16, rep)
+    if check_data:
+        _check_data(cfg, tokens_per_step, rep)
+    else:
+        rep.sections.append(("data", ["not checked (check_data=False / --skip-data)"]))
+    if check_tracking:
+        _check_tracking(cfg, rep)
+    _check_disk(cfg, pc, bf16, rep)
+    _env_section(rep)
+    return rep
+
+
+def _resolves_to_bf16(tc) -> bool:
+    """train.dtype auto means bf16 on a GPU that has it (Ampere and newer): a launch plan targets GPUs, so auto ->
+    bf16 unless the recipe pins the CPU."""
+    if tc.dtype != "auto":
+        return tc.dtype == "bfloat16"
+    return tc.device != "cpu"
+
+
+# ------------------------------------------------------------------------------------------------ batch
+def _check_batch(cfg, world: int, rep: Report) -> None:
+    ga = cfg.train.grad_accum_steps
+    if ga % world == 0:
+        return
+    lower, upper = (ga // world) * world, (ga // world + 1) * world
+    near = " or ".join(f"train.grad_accum_steps={v} ({v * cfg.train.micro_batch_size * cfg.model.block_size:,} "
+                       f"tokens per step)" for v in (lower, upper) if v > 0)
+    rep.problems.append(f"batch: train.grad_accum_steps={ga} counts micro-batches over all {world} ranks and is not "
+                        f"a multiple of the world size {world}; set {near}, or use a world size that divides {ga}")
+
+
+# ------------------------------------------------------------------------------------------------ memory
+def _local_gpu_gb() -> float | None:
+    try:
+        import torch
+    except ImportError:
+        return None
+    if not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_properties(0).total_memory / GiB
+
+
+def _table(est: memory.Estimate) -> list[str]:
+    s, a = est.state, est.act
+    rows = [("parameters", s["parameters"]), ("gradients", s["gradients"]),
+            ("optimizer (AdamW m, v, fp32 master)", s["optimizer"]),
+            ("extra (autocast copies / DDP buckets / gathered units)", s["extra"]),
+            ("activations saved (1 micro-batch, max depth)", a.saved),
+            ("recomputed region in backward", a.region), ("LM-head forward workspace", a.head_workspace)]
+    lines = [f"{name:<55} {gb(v):>10}" for name, v in rows]
+    lines.append(f"{'total per rank (saved + max(region, head workspace))':<55} {gb(est.total):>10}")
+    return lines
+
+
+def _check_memory(cfg, world: int, gpu_mem_gb: float | None, bf16: bool, rep: Report):
+    tc = cfg.train
+    pc = memory.count_params(cfg.model)
+    backend = tc.backend
+    if backend == "single" and world > 1:
+        rep.problems.append(f"backend: train.backend=single runs one process, but the plan has {world} ranks; set "
+                            f"train.backend=ddp, fsdp or deepspeed (estimated below as ddp)")
+        backend = "ddp"
+    plan = Plan(backend, tc.zero_stage if backend == "deepspeed" else 0, tc.activation_checkpointing, tc.micro_batch_size, tc.grad_accum_steps,
+                world, bf16)
+    est = memory.estimate(cfg.model, pc, plan)
+    depth = cfg.model.n_recurrence if cfg.model.type == "grt" else cfg.model.n_layer
+    lines = [f"{pc.total / 1e6:,.1f}M unique parameters; activations at depth {depth} "
+             f"({'R' if cfg.model.type == 'grt' else 'n_layer'}) for {plan.label()}", *_table(est)]
+    source = "--gpu-mem"
+    if gpu_mem_gb is None:
+        gpu_mem_gb, source = _local_gpu_gb(), "the local CUDA device"
+    if gpu_mem_gb is None:
+        lines.append("no GPU here and no --gpu-mem given: the estimate is not compared with a device "
+                     "(pass --gpu-mem GiB)")
+        rep.sections.append(("memory per rank", lines))
+        return pc
+    usable = memory.usable_bytes(gpu_mem_gb * GiB)
+    lines.append(f"device {gpu_mem_gb:g} GiB ({source}); usable {gb(usable)} after a {memory.MARGIN_FRACTION:.0%} "
+                 f"margin and {gb(memory.OVERHEAD_BYTES)} framework overhead -> "
+                 + ("fits" if est.total <= usable else "DOES NOT FIT"))
+    if est.total > usable:
+        alts = memory.alternatives(cfg.model, pc, plan, gpu_mem_gb * GiB)
+        if alts:
+            fixes = "; ".join(f"{_overrides(plan, e.plan)} ({gb(e.total)})" for e in alts)
+            lines.append("plans that fit: " + fixes)
+            fix = f"use one of: {fixes}"
+        else:
+            fix = ("no backend, ZeRO stage, checkpointing mode or micro-batch fits it on this many devices: use more "
+                   "GPUs (more nodes shard the model state further under fsdp / ZeRO-3) or larger ones")
+        rep.problems.append(f"memory: {plan.label()} needs {gb(est.total)} per rank, more than the usable "
+                            f"{gb(usable)} of a {gpu_mem_gb:g} GiB device; {fix}")
+    rep.sections.append(("memory per rank", lines))
+    return pc
+
+
+def _overrides(old: Plan, new: Plan) -> str:
+    out = []
+    if (new.backend, new.zero_stage) != (old.backend, old.zero_stage):
+        out.append(f"train.backend={new.backend}")
+        if new.backend == "deepspeed":
+            out.append(f"train.zero_stage={new.zero_stage}")
+    if new.checkpointing != old.checkpointing:
+        out.append(f"train.activation_checkpointing={new.checkpointing}")
+    if new.micro_batch != old.micro_batch:
+        out += [f"train.micro_batch_size={new.micro_batch}", f"train.grad_accum_steps={new.grad_accum}"]
+    return " ".join(out)
+
+
+# ------------------------------------------------------------------------------------------------ data
+def _check_data(cfg, tokens_per_step: int, rep: Report) -> None:
+    from pipeline.tokenize.writer import read_manifest, verify_dataset
+    from pipeline.train.trainer import check_dataset_matches_model
+
+    dirs, _ = cfg.data.training_datasets()
+    lines, train_tokens, ok = [], 0, True
+    for d in dirs:
+        key = "data.dataset_dir" if not cfg.data.mixture else f"data.mixture[{dirs.index(d)}].dataset_dir"
+        try:
+            manifest = read_manifest(d)
+        except (FileNotFoundError, ValueError) as e:
+            rep.problems.append(f"data: {key}={d}: {e}")
+            ok = False
+            continue
+        try:
+            check_dataset_matches_model(manifest, cfg, f"the dataset at {d}")
+        except ValueError as e:
+            rep.problems.append(f"data: {e}")
+            ok = False
+        size = sum(sh["tokens"] * _itemsize(manifest) for info in manifest["splits"].values()
+                   for sh in info["shards"])
+        if size <= FULL_VERIFY_LIMIT:
+            bad, how = verify_dataset(d), "every shard's sha256, size and index rechecked"
+        else:
+            bad, how = _sizes_only(Path(d), manifest), (f"sizes checked against the manifest ({gb(size)}: sha256 "
+                                                        f"not rechecked, run `grt data verify {d}`)")
+        for b in bad:
+            rep.problems.append(f"data: {d}: {b}; re-tokenize it (grt tokenize RECIPE --force) or restore the file")
+            ok = False
+        n = manifest["splits"].get("train", {}).get("tokens", 0)
+        train_tokens += n
+        lines.append(f"{d}: {n:,} training tokens; {how}")
+    if ok and dirs:
+        need = cfg.train.max_steps * tokens_per_step
+        epochs = need / max(train_tokens, 1)
+        lines.append(f"{cfg.train.max_steps:,} steps x {tokens_per_step:,} tokens = {need:,} tokens = "
+                     f"{epochs:.2f} epoch(s) of {train_tokens:,}" + (" (repeats data)" if epochs > 1 else ""))
+    rep.sections.append(("data", lines))
+
+
+def _itemsize(manifest: dict) -> int:
+    import numpy as np
+
+    return np.dtype(manifest["dtype"]).itemsize
+
+
+def _sizes_only(d: Path, manifest: dict) -> list[str]:
+    bad, item = [], _itemsize(manifest)
+    for split, info in manifest["splits"].items():
+        for sh in info["shards"]:
+            f = d / sh["file"]
+            if not f.is_file() or not (d / sh["index_file"]).is_file():
+                bad.append(f"{split}: {sh['file']} or its index is missing")
+            elif f.stat().st_size != sh["tokens"] * item:
+                bad.append(f"{split}: {sh['file']} is {f.stat().st_size} bytes, manifest says "
+                           f"{sh['tokens'] * item}")
+    return bad
+
+
+# ------------------------------------------------------------------------------------------------ tracking
+def _check_tracking(cfg, rep: Report) -> None:
+    from pipeline.tracking import resolve_uri
+
+    t = cfg.tracking
+    if not t.enabled:
+        rep.sections.append(("tracking", ["tracking.enabled=false: nothing to reach"]))
+        return
+    uri = resolve_uri(t.uri)
+    if uri.startswith(("http://", "https://")):
+        from pipeline.tracking import TrackingUnavailableError, check_server
+
+        try:  # the trainer's own check: /health and one API call (a server may answer one and refuse the other)
+            check_server(uri)
+        except TrackingUnavailableError as e:
+            rep.problems.append(f"tracking: {e}")
+            rep.sections.append(("tracking", [f"{uri}: not reachable"]))
+            return
+        rep.sections.append(("tracking", [f"{uri}: an MLflow server answers"]))
+    elif uri.startswith("sqlite:///"):
+        folder = Path(uri[len("sqlite:///"):]).parent
+        existing = next((p for p in (folder, *folder.parents) if p.exists()), Path("/"))
+        if not os.access(existing, os.W_OK):
+            rep.problems.append(f"tracking: {uri}: folder {existing} is not writable; point tracking.uri at a "
+                                f"writable folder, use an http:// server, or set tracking.enabled=false")
+        rep.sections.append(("tracking", [f"{uri}: sqlite in {folder} ({'writable' if os.access(existing, os.W_OK) else 'NOT writable'})"]))
+    else:
+        rep.sections.append(("tracking", [f"{uri}: not checked (only http(s):// and sqlite:/// are)"]))
+
+
+# ------------------------------------------------------------------------------------------------ disk
+def _check_disk(cfg, pc, bf16: bool, rep: Report) -> None:
+    out = Path(cfg.out_dir).resolve()
+    existing = next((p for p in (out, *out.parents) if p.exists()), Path("/"))
+    free = shutil.disk_usage(existing).free
+    one = memory.checkpoint_bytes(pc, cfg.train.backend, bf16)
+    n = cfg.train.keep_checkpoints + 1  # the one being written beside the kept ones
+    need = n * one
+    rep.sections.append(("checkpoints", [f"{gb(one)} per checkpoint (fp32 weights + AdamW state); "
+                                         f"{n} x = {gb(need)} needed, {gb(free)} free under {existing}"]))
+    if need > free:
+        fit = int(free // one) - 1
+        rep.problems.append(f"disk: {n} checkpoints of {gb(one)} (train.keep_checkpoints={cfg.train.keep_checkpoints} "
+                            f"+ the one being written) need {gb(need)}, only {gb(free)} free under {existing}; free "
+                            f"space, point out_dir at a larger disk"
+                            + (f", or set train.keep_checkpoints={fit}" if fit >= 1 else ""))
+
+
+# ------------------------------------------------------------------------------------------------ env
+def _env_section(rep: Report) -> None:
+    set_ = [f"{k}={os.environ[k]}" for k in ENV_VARS if k in os.environ]
+    unset = [k for k in ENV_VARS if k not in os.environ]
+    rep.sections.append(("environment (NCCL / gloo / rendezvous)", [
+        "set: " + (", ".join(set_) if set_ else "none"), "not set: " + (", ".join(unset) if unset else "none")]))

@@ -1,0 +1,186 @@
+"""A :class:`~launch.plan.Plan` -> the exact commands and files of each launcher (pure: no I/O, no environment).
+
+- torchrun: static rendezvous, one command per node (``--node_rank K``; the c10d rendezvous would ignore it);
+- deepspeed: one command on node 0 that starts every node over ssh (pdsh) from a hostfile, with the variables the
+  remote ranks need in a ``.deepspeed_env`` file; or, without ssh, one ``--no_ssh --node_rank K`` command per node;
+- slurm: an sbatch script from ``launch/templates/sbatch.sh``: one task per node, each running one torchrun.
+"""
+from __future__ import annotations
+
+import re
+import shlex
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from launch.plan import PORT_BASE, PORT_SPAN, Plan
+
+TEMPLATES = Path(__file__).parent / "templates"
+PLACEHOLDER = re.compile(r"\{\{(\w+)\}\}")
+# Variables a remote rank started by DeepSpeed's pdsh runner must get from node 0. DeepSpeed 0.19.8 already passes
+# those starting with MLFLOW, PYTHON, MV2, UCX (and NCCL on CUDA); the rest would be lost on the other nodes.
+DEEPSPEED_ENV_PREFIXES = ("NCCL_", "GLOO_", "TORCH_", "TORCHINDUCTOR_", "PYTORCH_", "CUDA_DEVICE_MAX_CONNECTIONS",
+                          "OMP_NUM_THREADS", "MKL_NUM_THREADS", "HF_", "MLFLOW_", "GRT_", "DS_ACCELERATOR", "TRITON_",
+                          "LD_LIBRARY_PATH")
+
+
+@dataclass
+class Command:
+    """One command line: ``env`` is set for it alone (written as ``KEY=VALUE`` before the program)."""
+
+    argv: list[str]
+    node: int | None = None  # the node it runs on (None: node 0 starts every node)
+    env: dict[str, str] = field(default_factory=dict)
+
+    def text(self) -> str:
+        return shlex.join([f"{k}={v}" for k, v in self.env.items()] + self.argv)
+
+
+def train_args(plan: Plan) -> list[str]:
+    """What every rank runs after ``python -m``: the training command with the user's recipe and overrides."""
+    data = ["--data", plan.data] if plan.data else []  # after the overrides: argparse ends `overrides` at an option
+    return ["pipeline.cli", "train", plan.recipe, *plan.overrides, *data]
+
+
+def torchrun_command(plan: Plan, node_rank: int) -> Command:
+    return Command(["torchrun", "--nnodes", str(plan.nodes), "--nproc_per_node", str(plan.gpus_per_node),
+                    "--node_rank", str(node_rank), "--master_addr", plan.master_addr, "--master_port",
+                    str(plan.master_port), "-m", *train_args(plan)], node=node_rank)
+
+
+def hostfile_path(plan: Plan) -> str:
+    return plan.hostfile or f"{plan.launch_dir}/hostfile"
+
+
+def deepspeed_env_path(plan: Plan) -> str:
+    return f"{plan.launch_dir}/.deepspeed_env"
+
+
+def deepspeed_commands(plan: Plan, ranks: list[int] | None = None) -> list[Command]:
+    """The deepspeed command(s): one node's (or ``ranks``') without ssh, else the one that starts every node."""
+    module = ["--module", *train_args(plan)]
+    if plan.nodes == 1:
+        return [Command(["deepspeed", "--num_gpus", str(plan.gpus_per_node), "--master_port", str(plan.master_port),
+                         *module], node=0)]
+    # DeepSpeed needs the hostfile even without ssh: it gives the world (node count, slots) and the node ranks'
+    # order; with --no_ssh the names are only labels.
+    common = ["--num_nodes", str(plan.nodes), "--num_gpus", str(plan.gpus_per_node)]
+    if plan.per_node or ranks is not None:
+        ranks = ranks if ranks is not None else [plan.node_rank]
+        return [Command(["deepspeed", "--hostfile", hostfile_path(plan), "--no_ssh", "--node_rank", str(k),
+                         "--master_addr", plan.master_addr, "--master_port", str(plan.master_port), *common, *module],
+                        node=k) for k in ranks]
+    addr = ["--master_addr", plan.master_addr] if plan.master_addr else []  # else DeepSpeed asks host 0 over ssh
+    return [Command(["deepspeed", "--hostfile", hostfile_path(plan), *common, *addr, "--master_port",
+                     str(plan.master_port), *module], env={"DS_ENV_FILE": deepspeed_env_path(plan)})]
+
+
+def per_node_commands(plan: Plan) -> list[Command]:
+    """Every node's command (torchrun, deepspeed --no_ssh), whatever ``--node-rank`` says."""
+    if plan.launcher == "torchrun":
+        return [torchrun_command(plan, k) for k in range(plan.nodes)]
+    return deepspeed_commands(plan, list(range(plan.nodes)))
+
+
+def commands(plan: Plan) -> list[Command]:
+    """The commands this invocation runs: the given node's, or the one that starts everything."""
+    if plan.launcher == "torchrun":
+        ranks = [plan.node_rank] if plan.node_rank is not None else range(plan.nodes)
+        return [torchrun_command(plan, k) for k in ranks]
+    if plan.launcher == "deepspeed":
+        return deepspeed_commands(plan)
+    return [Command(["sbatch", sbatch_path(plan)])]
+
+
+def hostfile_text(plan: Plan) -> str:
+    """``host slots=G`` per node: the given ``--hosts``, else labels (only valid with --no_ssh, where names are not
+    contacted)."""
+    hosts = plan.hosts or [f"node-{k}" for k in range(plan.nodes)]
+    return "".join(f"{h} slots={plan.gpus_per_node}\n" for h in hosts)
+
+
+def deepspeed_env_text(plan: Plan, environ: dict) -> str:
+    """``KEY=VALUE`` lines for DeepSpeed's pdsh runner, which exports them on every node before starting the ranks.
+
+    DeepSpeed 0.19.8 (launcher/runner.py) reads the file ``$DS_ENV_FILE`` (default ``.deepspeed_env``) from ``~`` and
+    from the working directory, only when it starts nodes over ssh, and splits every line at the first ``=``: no
+    comments or blank lines are allowed. Its own entries are added after the variables it exports by itself, so
+    PYTHONPATH is written as DeepSpeed would set it (the working directory first)."""
+    env = {k: v for k, v in sorted(environ.items())
+           if k.startswith(DEEPSPEED_ENV_PREFIXES) and "\n" not in v and k != "DS_ENV_FILE"}
+    env["PYTHONPATH"] = ":".join(x for x in (plan.workdir, environ.get("PYTHONPATH", "")) if x)
+    return "".join(f"{k}={v}\n" for k, v in env.items())
+
+
+def sbatch_path(plan: Plan) -> str:
+    return f"{plan.launch_dir}/{plan.name}.sbatch"
+
+
+def fill(template: str, values: dict) -> str:
+    """Replace ``{{name}}`` placeholders (``$`` and single braces stay bash's); an unknown name is an error."""
+    def sub(m: re.Match) -> str:
+        if m.group(1) not in values:
+            raise KeyError(f"sbatch template: unknown placeholder {{{{{m.group(1)}}}}}; known: {', '.join(values)}")
+        return str(values[m.group(1)])
+    return PLACEHOLDER.sub(sub, template)
+
+
+def sbatch_script(plan: Plan, template: str | None = None) -> str:
+    """The sbatch script of the plan, from ``launch/templates/sbatch.sh`` (or ``template``'s text)."""
+    options = [f"#SBATCH --{k}={v}" for k, v in (("time", plan.time), ("partition", plan.partition),
+                                                  ("account", plan.account)) if v]
+    # An explicit --master-port is used as is; otherwise bash computes job_port()'s formula from the job id.
+    port = (str(plan.master_port) if plan.port_source == "--master-port"
+            else f"$(( {PORT_BASE} + SLURM_JOB_ID % {PORT_SPAN} ))")
+    values = {
+        "name": plan.name, "nodes": plan.nodes, "gpus_per_node": plan.gpus_per_node, "world_size": plan.world_size,
+        "backend": plan.backend, "grace_s": plan.grace_s, "launch_dir": plan.launch_dir, "workdir": plan.workdir,
+        "sbatch_options": "\n".join(options), "setup": plan.setup, "master_port": port,
+        # torchrun SIGKILLs its ranks this long after passing them the TERM; keep a minute for the requeue
+        "shutdown_timeout_s": plan.grace_s - 60,
+        "train_command": shlex.join(["-m", *train_args(plan)]),
+    }
+    text = template if template is not None else (TEMPLATES / "sbatch.sh").read_text()
+    return fill(text, values)
+
+
+def files(plan: Plan, environ: dict, template: str | None = None) -> dict[str, str]:
+    """The files the launch needs, path -> text (written before any command runs)."""
+    if plan.launcher == "slurm":
+        return {sbatch_path(plan): sbatch_script(plan, template)}
+    out = {}
+    if plan.launcher == "deepspeed" and plan.nodes > 1:
+        if not plan.hostfile:
+            out[hostfile_path(plan)] = hostfile_text(plan)
+        if not plan.per_node:
+            out[deepspeed_env_path(plan)] = deepspeed_env_text(plan, environ)
+    return out
+
+
+def describe(plan: Plan, environ: dict, template: str | None = None) -> str:
+    """What ``grt launch --dry-run`` prints: the plan, every file's text, every node's command."""
+    how = {"torchrun": "torchrun, static rendezvous", "slurm": "sbatch, one torchrun per node",
+           "deepspeed": ("deepspeed, one command per node (--no_ssh)" if plan.per_node or plan.nodes == 1
+                         else "deepspeed, node 0 starts every node over ssh (pdsh)")}[plan.launcher]
+    if plan.launcher == "slurm":
+        addr = "the job's first node (scontrol show hostnames)"
+        port = (f"{plan.master_port}, from --master-port" if plan.port_source == "--master-port" else
+                f"$(( {PORT_BASE} + SLURM_JOB_ID % {PORT_SPAN} )), computed in the job")
+    else:
+        addr = plan.master_addr or "DeepSpeed asks the hostfile's first host (ssh hostname -I)"
+        port = f"{plan.master_port}, from {plan.port_source}"
+    lines = [f"# run {plan.name}: train.backend={plan.backend} (recipe + overrides), {plan.nodes} node(s) x "
+             f"{plan.gpus_per_node} rank(s) = world size {plan.world_size}; launcher {how}",
+             f"# rendezvous: {addr}, port {port}",
+             f"# every node starts in {plan.workdir} (the recipe path and run folder are relative to it)"]
+    for path, text in files(plan, environ, template).items():
+        lines += [f"# file {path}:", text.rstrip("\n")]
+    if plan.launcher == "slurm":
+        lines.append("# submit:")
+        lines += [c.text() for c in commands(plan)]
+    elif plan.per_node:
+        for c in per_node_commands(plan):
+            lines += [f"# on node {c.node}:", c.text()]
+    else:
+        lines.append("# on node 0 (starts every node):" if plan.nodes > 1 else "# on this node:")
+        lines += [c.text() for c in commands(plan)]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,222 @@
+"""The tracking buffer, and `grt track sync RUN` that replays it.
+
+Everything the trainer sends to MLflow goes through a journal in the run folder (``tracking_buffer.jsonl``, one JSON
+line per call, appended and fsynced) and leaves it once the store has taken it. A server that goes away mid-run, or
+a job killed between two flushes, therefore loses nothing: the journal is replayed in order at the next flush that
+reaches the server, when the run resumes, or by ``grt track sync RUN``.
+
+Replaying twice is harmless, so no cursor is kept: MLflow drops a metric equal in (key, value, timestamp, step) to
+one the run already has, params already on the run are skipped, tags, dataset inputs, artifacts and the final
+status overwrite themselves. The journal is emptied only after every line in it was accepted.
+"""
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import sys
+from pathlib import Path
+
+BUFFER_FILE = "tracking_buffer.jsonl"
+# MLflow's limits per log_batch call
+MAX_METRICS_PER_BATCH, MAX_PARAMS_PER_BATCH, MAX_TAGS_PER_BATCH = 1000, 100, 100
+
+
+class TrackingBuffer:
+    """The journal of one run folder (``path``), or an in-memory list when there is no run folder (``path=None``).
+
+    Each line is ``{"op": ..., ...}`` with op one of: ``metrics`` (``items``: ``[key, value, timestamp_ms, step]``),
+    ``params``, ``tags`` (``items``: a dict), ``inputs`` (``datasets``: MLflow dataset fields + ``context``),
+    ``artifact`` (``path``, ``artifact_path``) and ``terminate`` (``status``, ``end_time``).
+    """
+
+    def __init__(self, path: Path | None):
+        self.path = path
+        self._memory: list[dict] = []
+        self._file = None
+        if path is not None:
+            self._file = open(path, "a+b")
+            with self._locked():
+                self._file.seek(0, os.SEEK_END)
+                if self._file.tell() and self._last_byte() != b"\n":
+                    # a job killed in the middle of an append left half a line: close it, replay skips it
+                    self._file.write(b"\n")
+                    self._sync()
+
+    @property
+    def pending(self) -> int:
+        """Lines waiting to be sent."""
+        if self._file is None:
+            return len(self._memory)
+        with self._locked():
+            return len(self._read())
+
+    def append(self, item: dict) -> None:
+        if self._file is None:
+            self._memory.append(item)
+            return
+        line = (json.dumps(item, separators=(",", ":")) + "\n").encode()
+        with self._locked():
+            self._file.write(line)
+            self._sync()  # a killed job, or a dead node, keeps every line it appended
+
+    def replay(self, client, run_id: str) -> int:
+        """Send every pending line to ``run_id`` in order, then empty the journal; returns the number of lines sent.
+        Raises whatever the client raises (the journal stays as it was: a later replay sends it again)."""
+        if self._file is None:
+            items, self._memory = self._memory, []
+            try:
+                send(client, run_id, items)
+            except BaseException:
+                self._memory = items + self._memory
+                raise
+            return len(items)
+        with self._locked():
+            items = self._read()
+            send(client, run_id, items)
+            self._file.truncate(0)
+            self._sync()
+        return len(items)
+
+    def close(self) -> None:
+        """Close the journal; an empty one is removed (nothing left to sync)."""
+        if self._file is not None:
+            with self._locked():
+                if self._file.seek(0, os.SEEK_END) == 0:
+                    self.path.unlink(missing_ok=True)
+            self._file.close()
+            self._file = None
+
+    # ---------------------------------------------------------------------------------------------- file
+    def _locked(self):
+        return _FileLock(self._file)  # the trainer and a `grt track sync` of the same run never interleave
+
+    def _sync(self) -> None:
+        self._file.flush()
+        os.fsync(self._file.fileno())
+
+    def _last_byte(self) -> bytes:
+        self._file.seek(-1, os.SEEK_END)
+        return self._file.read(1)
+
+    def _read(self) -> list[dict]:
+        self._file.seek(0)
+        items = []
+        for n, line in enumerate(self._file.read().splitlines(), 1):
+            try:
+                items.append(json.loads(line))
+            except ValueError:
+                print(f"tracking: {self.path}:{n} is not a complete line (a job killed while appending it); "
+                      f"skipped", file=sys.stderr)
+        return items
+
+
+class _FileLock:
+    def __init__(self, f):
+        self.f = f
+
+    def __enter__(self):
+        fcntl.flock(self.f.fileno(), fcntl.LOCK_EX)
+
+    def __exit__(self, *exc):
+        fcntl.flock(self.f.fileno(), fcntl.LOCK_UN)
+
+
+def send(client, run_id: str, items: list[dict]) -> None:
+    """Send journal lines in order; consecutive metrics, params and tags go in as few batches as MLflow allows."""
+    from mlflow.entities import DatasetInput, InputTag, Metric, Param, RunTag
+    from mlflow.entities import Dataset as DatasetEntity
+
+    metrics: list = []
+
+    def send_metrics():
+        for i in range(0, len(metrics), MAX_METRICS_PER_BATCH):
+            client.log_batch(run_id, metrics=metrics[i:i + MAX_METRICS_PER_BATCH])
+        metrics.clear()
+
+    existing_params = None
+    for item in items:
+        op = item["op"]
+        if op == "metrics":
+            metrics += [Metric(k, v, ts, step) for k, v, ts, step in item["items"]]
+            continue
+        send_metrics()
+        if op == "params":
+            if existing_params is None:  # MLflow refuses a param whose value changes: a resumed run keeps the first
+                existing_params = client.get_run(run_id).data.params
+            new = [Param(k, v) for k, v in item["items"].items() if k not in existing_params]
+            for i in range(0, len(new), MAX_PARAMS_PER_BATCH):
+                client.log_batch(run_id, params=new[i:i + MAX_PARAMS_PER_BATCH])
+            existing_params.update({p.key: p.value for p in new})
+        elif op == "tags":
+            tags = [RunTag(k, v) for k, v in item["items"].items()]
+            for i in range(0, len(tags), MAX_TAGS_PER_BATCH):
+                client.log_batch(run_id, tags=tags[i:i + MAX_TAGS_PER_BATCH])
+        elif op == "inputs":
+            client.log_inputs(run_id, [DatasetInput(DatasetEntity(**{k: v for k, v in d.items() if k != "context"}),
+                                                    [InputTag("mlflow.data.context", d["context"])])
+                                       for d in item["datasets"]])
+        elif op == "artifact":
+            if Path(item["path"]).exists():
+                client.log_artifact(run_id, item["path"], item["artifact_path"])
+            else:
+                print(f"tracking: buffered artifact {item['path']} no longer exists; skipped", file=sys.stderr)
+        elif op == "terminate":
+            client.set_terminated(run_id, item["status"], item["end_time"])
+        else:
+            raise ValueError(f"unknown tracking buffer line {item!r}: written by a newer version of grt-pipeline?")
+    send_metrics()
+
+
+# ------------------------------------------------------------------------------------------------------ CLI
+def find_run_dir(run: str) -> Path:
+    """``RUN`` is a run folder, or a run name under ``runs/``."""
+    for candidate in (Path(run), Path("runs") / run):
+        if (candidate / "run.json").is_file():
+            return candidate
+    raise FileNotFoundError(f"no run folder with a run.json at {run!r} or runs/{run}: give the run folder "
+                            f"(out_dir/name) of a run trained with tracking.enabled=true")
+
+
+def sync(run: str, tracking_uri: str | None = None) -> int:
+    """Replay the run folder's buffer to the run's MLflow run; 0 when everything was sent."""
+    from pipeline.tracking import TrackingUnavailableError, bound_http_retries, check_server, resolve_uri
+
+    run_dir = find_run_dir(run)
+    info = json.loads((run_dir / "run.json").read_text())
+    uri = resolve_uri(tracking_uri or info["tracking_uri"])
+    path = run_dir / BUFFER_FILE
+    if not path.is_file() or path.stat().st_size == 0:
+        print(f"track sync: nothing buffered in {run_dir}; MLflow run {info['mlflow_run_id']} at {uri} is complete")
+        return 0
+    bound_http_retries()
+    from mlflow.tracking import MlflowClient
+
+    try:
+        check_server(uri)
+    except TrackingUnavailableError as e:
+        print(f"track sync: {e}", file=sys.stderr)
+        return 1
+    buffer = TrackingBuffer(path)
+    try:
+        pending = buffer.pending
+        sent = buffer.replay(MlflowClient(tracking_uri=uri), info["mlflow_run_id"])
+    except Exception as e:  # noqa: BLE001 (any store error: say which, keep the buffer)
+        print(f"track sync: replay to {uri} failed ({type(e).__name__}: {e}); the {pending} buffered lines are kept "
+              f"in {path}, run `grt track sync {run}` again", file=sys.stderr)
+        return 1
+    finally:
+        buffer.close()
+    print(f"track sync: replayed {sent} buffered lines from {path} to MLflow run {info['mlflow_run_id']} at {uri}")
+    return 0
+
+
+def add_track_parser(sub) -> None:
+    s = sub.add_parser("track", help="tracking tools").add_subparsers(dest="track_command", required=True)
+    c = s.add_parser("sync", help="replay metrics buffered while the tracking server was down",
+                     description="Replay what the run folder's tracking_buffer.jsonl holds (metrics, params, tags, "
+                                 "the final status, ...) to the run's MLflow run, then empty it. Safe to repeat.")
+    c.add_argument("run", help="run folder (out_dir/name) or run name under runs/")
+    c.add_argument("--tracking-uri", default=None,
+                   help="send to this MLflow URI instead of the one in the run's run.json (a server that moved)")
+    c.set_defaults(fn=lambda args: sync(args.run, args.tracking_uri))

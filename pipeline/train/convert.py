@@ -1,0 +1,73 @@
+"""`grt checkpoint convert RUN_OR_CKPT --to full|safetensors [--out DIR]`: any checkpoint format (full, sharded
+torch.distributed.checkpoint, DeepSpeed ZeRO) to one file, so evaluation and sharing never need the training
+topology. Runs in one process without a process group."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+
+def default_out(ckpt_file: Path, state: dict, to: str) -> Path:
+    """runs/NAME/checkpoints/step_X/state.pt -> runs/NAME/exports/step_X-<to> (beside the checkpoints, never among
+    them: keep_checkpoints must not delete an export)."""
+    step_dir = ckpt_file.parent
+    root = step_dir.parent.parent if step_dir.parent.name == "checkpoints" else step_dir.parent
+    return root / "exports" / f"step_{state['step']:08d}-{to}"
+
+
+def convert(path: str | Path, to: str, out: str | Path | None = None) -> Path:
+    """Write the checkpoint at ``path`` as ``to`` (full: state.pt with model and, where the source has it in torch
+    form, optimizer; safetensors: the model weights + the recipe as metadata). Returns the output folder."""
+    import torch
+    import yaml
+
+    from pipeline.train.checkpoint import (SAFETENSORS, SAFETENSORS_META, checkpoint_format_of, full_model_state,
+                                           full_optimizer_state, load_checkpoint, resolve_checkpoint, tied_names)
+
+    if to not in ("full", "safetensors"):
+        raise ValueError(f"--to {to!r}: choose full or safetensors")
+    ckpt = resolve_checkpoint(path)
+    state = load_checkpoint(ckpt)
+    source = checkpoint_format_of(ckpt.parent, state)
+    out = Path(out) if out else default_out(ckpt, state, to)
+    model = full_model_state(ckpt, state)
+    meta = {k: state[k] for k in ("step", "recipe", "info", "skipped_steps", "world_size") if k in state}
+    meta["converted_from"] = {"path": str(ckpt.parent.resolve()), "format": source}
+    tmp = out.with_name(f".{out.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    if to == "full":
+        optimizer = full_optimizer_state(ckpt, state)
+        keep = {k: state[k] for k in ("loader", "mlflow_run_id") if k in state}
+        torch.save({**meta, **keep, "checkpoint_format": "full", "model": model, "optimizer": optimizer},
+                   tmp / "state.pt")
+    else:
+        from safetensors.torch import save_file
+
+        # safetensors refuses aliased tensors: a tied parameter is stored under its first name only
+        aliases = tied_names(state["recipe"])
+        unique = {name: t.detach().contiguous() for name, t in model.items() if name not in aliases}
+        save_file(unique, str(tmp / SAFETENSORS), metadata={SAFETENSORS_META: json.dumps(meta, default=str)})
+    (tmp / "recipe.yaml").write_text(yaml.safe_dump(state["recipe"], sort_keys=False))
+    if out.exists():
+        shutil.rmtree(out)
+    os.replace(tmp, out)
+    return out
+
+
+def cmd_convert(args) -> int:
+    out = convert(args.checkpoint, args.to, args.out)
+    print(f"wrote {out}/{'state.pt' if args.to == 'full' else 'model.safetensors'} and recipe.yaml; evaluate it with "
+          f"`grt eval {out}`")
+    return 0
+
+
+def add_checkpoint_parser(sub) -> None:
+    s = sub.add_parser("checkpoint", help="checkpoint tools").add_subparsers(dest="checkpoint_command", required=True)
+    c = s.add_parser("convert", help="convert a checkpoint of any format (full, sharded, DeepSpeed) to one file")
+    c.add_argument("checkpoint", help="run folder (latest checkpoint), step folder or state.pt")
+    c.add_argument("--to", required=True, choices=["full", "safetensors"])
+    c.add_argument("--out", default=None, help="output folder (default: RUN/exports/step_XXXXXXXX-<to>)")
+    c.set_defaults(fn=cmd_convert)

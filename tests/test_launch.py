@@ -1,0 +1,487 @@
+"""`grt launch`: the rendered commands and files, checked with the launchers' own parsers and against golden files;
+the plan checks; and, on this CPU, two simulated nodes on loopback for each launcher (slow):
+
+- torchrun: `grt launch --nodes 2 --gpus-per-node 1 --node-rank 0|1` as two processes: fsdp losses equal a one-node
+  `torchrun --nproc_per_node 2` run;
+- deepspeed: the per-node `--no_ssh` form, ZeRO-3, the same losses;
+- slurm: the sbatch script itself, run by bash with stand-ins for srun/scontrol (srun starts the script's command
+  once per node with SLURM_NODEID set): SIGTERM to the batch shell -> every rank saves -> requeue -> the requeued
+  script resumes and the losses equal the uninterrupted run's.
+
+Golden files (tests/golden/launch/) hold the dry-run output for a fixed plan; regenerate them with
+`GRT_UPDATE_GOLDEN=1 pytest tests/test_launch.py` and review the diff.
+"""
+from __future__ import annotations
+
+import difflib
+import json
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import time
+import types
+from pathlib import Path
+
+import pytest
+import yaml
+
+from launch import render
+from launch.plan import PORT_BASE, PORT_SPAN, PlanError, job_port, make_plan
+from pipeline.cli import main
+from pipeline.config import from_dict, load_recipe
+from pipeline.tokenize import tokenize
+
+from conftest import make_corpus, tiny_recipe
+
+REPO = Path(__file__).resolve().parents[1]
+GOLDEN = Path(__file__).parent / "golden" / "launch"
+PAPER = "recipes/paper/grt-large-isoparam.yaml"
+STEPS = 12
+# master ports of this module: 31000-31999 (other test modules use other ranges)
+PORT_REF, PORT_TORCHRUN, PORT_DEEPSPEED = 31101, 31102, 31103
+SLURM_JOB_ID = 11500 + PORT_SPAN  # -> port 20000 + 11500 = 31500 by the script's own formula
+
+
+def check_golden(name: str, text: str) -> None:
+    """Byte-for-byte against tests/golden/launch/NAME; GRT_UPDATE_GOLDEN=1 rewrites it instead."""
+    path = GOLDEN / name
+    if os.environ.get("GRT_UPDATE_GOLDEN") == "1":
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+        return
+    assert path.is_file(), f"{path} is missing: create it with GRT_UPDATE_GOLDEN=1 pytest tests/test_launch.py"
+    want = path.read_text()
+    diff = "".join(difflib.unified_diff(want.splitlines(True), text.splitlines(True), str(path), "rendered"))
+    assert text == want, f"rendered text differs from {path} (GRT_UPDATE_GOLDEN=1 rewrites it after review):\n{diff}"
+
+
+def paper_plan(launcher: str, backend_overrides: list[str], **kw):
+    """The fixed plan of the golden files: the paper's largest GRT on 2 nodes x 8 GPUs, nothing from the machine."""
+    cfg = load_recipe(REPO / PAPER, backend_overrides)
+    kw.setdefault("environ", {})
+    return make_plan(launcher=launcher, nodes=2, gpus_per_node=8, recipe=PAPER, overrides=backend_overrides,
+                     name=cfg.name, backend=cfg.train.backend, run_dir=str(cfg.run_dir), workdir="/work/grt",
+                     setup="source /work/grt/.venv/bin/activate", **kw)
+
+
+FSDP = ["train.backend=fsdp"]
+ZERO3 = ["train.backend=deepspeed", "train.zero_stage=3"]
+ENV = {"NCCL_SOCKET_IFNAME": "ib0", "OMP_NUM_THREADS": "8", "PYTHONPATH": "/opt/extra", "HOME": "/home/me",
+       "SLURM_JOB_ID_NOT": "x", "CUDA_HOME": "/usr/local/cuda"}
+
+
+# ---------------------------------------------------------------------------------------------------- rendering
+
+
+def test_golden_dry_run_output():
+    check_golden("torchrun.txt", render.describe(paper_plan("torchrun", FSDP, master_addr="10.0.0.1"), {}))
+    check_golden("deepspeed-hostfile.txt",
+                 render.describe(paper_plan("deepspeed", ZERO3, hosts=["gpu-a", "gpu-b"], environ=ENV), ENV))
+    check_golden("deepspeed-no-ssh.txt",
+                 render.describe(paper_plan("deepspeed", ZERO3, master_addr="10.0.0.1", node_rank=1), {}))
+    slurm = paper_plan("slurm", FSDP, time="24:00:00", partition="gpu")
+    check_golden("slurm.txt", render.describe(slurm, {}))
+    check_golden("grt-large-isoparam.sbatch", render.sbatch_script(slurm))
+
+
+def test_port_comes_from_the_job_then_the_run_name():
+    port, source = job_port({"SLURM_JOB_ID": "123456"}, "any")
+    assert port == 20000 + 123456 - 9 * 12768 == 28544 and "SLURM_JOB_ID" in source  # by hand
+    a, _ = job_port({}, "run-a")
+    assert a == job_port({}, "run-a")[0]  # every node computes the same port
+    ports = {job_port({}, f"run-{i}")[0] for i in range(50)}
+    assert len(ports) >= 49 and all(PORT_BASE <= p < PORT_BASE + PORT_SPAN <= 32768 for p in ports)  # below ephemeral
+    # the sbatch script's bash formula gives the Python value for the same job id
+    line = next(x for x in render.sbatch_script(paper_plan("slurm", FSDP)).splitlines() if "MASTER_PORT=" in x)
+    out = subprocess.run(["bash", "-c", f"{line}; echo $MASTER_PORT"], env={"SLURM_JOB_ID": "123456"},
+                         capture_output=True, text=True, check=True).stdout
+    assert int(out) == 28544
+
+
+def test_torchrun_commands_parse_as_static_rendezvous():
+    """torchrun's own parser reads each node's command: static rendezvous (c10d would ignore --node_rank)."""
+    from torch.distributed.run import get_args_parser
+
+    plan = paper_plan("torchrun", FSDP, master_addr="10.0.0.1", master_port=29999)
+    cmds = render.per_node_commands(plan)
+    assert [c.node for c in cmds] == [0, 1]
+    for k, c in enumerate(cmds):
+        assert c.argv[0] == "torchrun"
+        a = get_args_parser().parse_args(c.argv[1:])
+        assert (a.nnodes, a.nproc_per_node, a.node_rank, a.master_addr, a.master_port) == ("2", "8", k, "10.0.0.1",
+                                                                                          29999)
+        assert a.rdzv_backend == "static" and not a.standalone and a.module
+        assert [a.training_script, *a.training_script_args] == ["pipeline.cli", "train", PAPER, *FSDP]
+
+
+def test_deepspeed_commands_hostfile_and_env_file_as_deepspeed_reads_them(tmp_path, monkeypatch):
+    from deepspeed.launcher.multinode_runner import PDSHRunner
+    from deepspeed.launcher.runner import _parse_hostfile, parse_args
+
+    plan = paper_plan("deepspeed", ZERO3, hosts=["gpu-a", "gpu-b"], environ=ENV)
+    (cmd,) = render.commands(plan)
+    assert cmd.node is None and cmd.env == {"DS_ENV_FILE": "runs/grt-large-isoparam/launch/.deepspeed_env"}
+    a = parse_args(cmd.argv[1:])
+    assert (a.hostfile, a.num_nodes, a.num_gpus, a.no_ssh, a.module, a.user_script) == (
+        "runs/grt-large-isoparam/launch/hostfile", 2, 8, False, True, "pipeline.cli")
+    assert a.user_args == ["train", PAPER, *ZERO3]
+    files = render.files(plan, ENV)
+    assert dict(_parse_hostfile(files["runs/grt-large-isoparam/launch/hostfile"].splitlines())) == {"gpu-a": 8,
+                                                                                                     "gpu-b": 8}
+    # the env file as DeepSpeed 0.19.8's runner.main() consumes it: split at the first '=', runner.add_export
+    runner = PDSHRunner(parse_args(cmd.argv[1:]), "world")
+    for line in files["runs/grt-large-isoparam/launch/.deepspeed_env"].splitlines(True):
+        key, val = line.split("=", maxsplit=1)
+        runner.add_export(key, val)
+    assert runner.exports == {"NCCL_SOCKET_IFNAME": "ib0", "OMP_NUM_THREADS": "8",
+                              "PYTHONPATH": "/work/grt:/opt/extra"}  # not HOME, CUDA_HOME, SLURM_JOB_ID_NOT
+    # DS_ENV_FILE=<relative path> is found where DeepSpeed looks: joined to ~ and to the working directory
+    import importlib
+
+    import deepspeed.launcher.runner as ds_runner
+
+    env_file = tmp_path / cmd.env["DS_ENV_FILE"]
+    env_file.parent.mkdir(parents=True)
+    env_file.write_text("X=1\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("DS_ENV_FILE", cmd.env["DS_ENV_FILE"])
+    try:
+        ds = importlib.reload(ds_runner)  # the name is read when the module is imported
+        found = [os.path.join(p, ds.DEEPSPEED_ENVIRONMENT_NAME) for p in ds.DEEPSPEED_ENVIRONMENT_PATHS]
+        assert any(os.path.isfile(f) and os.path.samefile(f, env_file) for f in found), found
+    finally:
+        monkeypatch.delenv("DS_ENV_FILE")
+        importlib.reload(ds_runner)
+    # without ssh: one command per node, the hostfile only labels the nodes
+    plan = paper_plan("deepspeed", ZERO3, master_addr="10.0.0.1", node_rank=1)
+    (cmd,) = render.commands(plan)
+    a = parse_args(cmd.argv[1:])
+    assert (a.no_ssh, a.node_rank, a.master_addr, a.num_nodes, a.num_gpus) == (True, 1, "10.0.0.1", 2, 8)
+    assert ".deepspeed_env" not in "".join(render.files(plan, ENV))  # read only by the pdsh form
+
+
+def test_sbatch_script_one_torchrun_per_node_signal_and_requeue():
+    text = render.sbatch_script(paper_plan("slurm", FSDP, time="24:00:00"))
+    subprocess.run(["bash", "-n"], input=text, text=True, check=True)  # valid bash
+    opts = dict(re.findall(r"^#SBATCH --([\w-]+)(?:=(\S+))?", text, re.M))
+    assert opts["nodes"] == "2" and opts["ntasks-per-node"] == "1" and opts["gres"] == "gpu:8"
+    assert opts["signal"] == "B:TERM@300" and "requeue" in opts and opts["time"] == "24:00:00"
+    assert "gpus-per-task" not in text and "ntasks=" not in text
+    srun = [x for x in text.splitlines() if x.startswith("srun ")]
+    assert len(srun) == 1 and srun[0].count("torchrun --nnodes 2 --nproc_per_node 8") == 1
+    assert '--node_rank "$SLURM_NODEID"' in srun[0] and "--ntasks-per-node=1" in srun[0]
+    assert 'scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1' in text
+    assert "trap on_term TERM" in text and 'scontrol requeue "$SLURM_JOB_ID"' in text
+
+
+@pytest.mark.parametrize("kw, fragment", [
+    (dict(launcher="torchrun", nodes=2, backend="single", master_addr="h"), "train.backend=single"),
+    (dict(launcher="torchrun", nodes=2), "--master-addr is needed"),
+    (dict(launcher="deepspeed", nodes=2), "--hostfile FILE"),
+    (dict(launcher="deepspeed", nodes=2, hosts=["a"]), "name at least 2"),
+    (dict(launcher="torchrun", nodes=2, master_addr="h", node_rank=2), "--node-rank 2: must be in 0..1"),
+    (dict(launcher="slurm", nodes=2, node_rank=0), "SLURM gives every node its rank"),
+    (dict(launcher="torchrun", hosts=["a", "b"]), "are for --launcher deepspeed"),
+])
+def test_bad_plans_are_refused_naming_the_fix(kw, fragment):
+    args = dict(launcher="torchrun", nodes=1, gpus_per_node=2, recipe="r.yaml", overrides=[], name="x",
+                backend="fsdp", run_dir="runs/x", workdir="/w", environ={})
+    with pytest.raises(PlanError) as e:
+        make_plan(**{**args, **kw})
+    assert fragment in str(e.value)
+
+
+def test_hostfile_too_short_is_refused(tmp_path):
+    hf = tmp_path / "hostfile"
+    hf.write_text("# two nodes asked, one listed\nonly-one slots=4\n")
+    with pytest.raises(PlanError) as e:
+        make_plan(launcher="deepspeed", nodes=2, gpus_per_node=8, recipe="r.yaml", overrides=[], name="x",
+                  backend="deepspeed", run_dir="runs/x", workdir="/w", environ={}, hostfile=str(hf))
+    assert "lists 1 host(s) for --nodes 2" in str(e.value) and "only-one" in str(e.value)
+
+
+# ------------------------------------------------------------------------------------------- the CLI (in-process)
+
+
+@pytest.fixture
+def small_recipe(tmp_path, corpus):
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(tiny_recipe(tmp_path, corpus, train={"backend": "fsdp"})))
+    return path
+
+
+@pytest.fixture
+def fake_preflight(monkeypatch):
+    """Stand-in for launch/preflight.py (written elsewhere): records its call, reports what the test says."""
+    calls = []
+
+    def install(problems):
+        def run_preflight(cfg, *, nodes, gpus_per_node, gpu_mem_gb, check_data):
+            calls.append(dict(name=cfg.name, nodes=nodes, gpus_per_node=gpus_per_node, gpu_mem_gb=gpu_mem_gb,
+                              check_data=check_data))
+            return types.SimpleNamespace(problems=problems, ok=not problems,
+                                         render=lambda: "PREFLIGHT REPORT\n" + "\n".join(problems))
+        monkeypatch.setitem(sys.modules, "launch.preflight", types.SimpleNamespace(run_preflight=run_preflight))
+    install.calls = calls
+    return install
+
+
+def test_check_prints_the_preflight_and_exits_2_on_problems(small_recipe, fake_preflight, capsys):
+    fake_preflight(["batch: grad_accum_steps=2 is not a multiple of world size 4 — set train.grad_accum_steps=4"])
+    args = ["launch", str(small_recipe), "--nodes", "2", "--gpus-per-node", "2", "--master-addr", "h"]
+    assert main(args + ["--check", "--gpu-mem", "80"]) == 2
+    assert "grad_accum_steps=2" in capsys.readouterr().err
+    assert fake_preflight.calls == [dict(name="tiny", nodes=2, gpus_per_node=2, gpu_mem_gb=80.0, check_data=True)]
+    # a plain launch refuses before anything starts or is written
+    assert main(args + ["--node-rank", "0"]) == 2
+    assert "nothing was started" in capsys.readouterr().err
+    assert not (small_recipe.parent / "runs").exists()
+
+
+def test_check_exits_0_when_the_preflight_passes(small_recipe, fake_preflight, capsys):
+    fake_preflight([])
+    assert main(["launch", str(small_recipe), "--gpus-per-node", "2", "--check"]) == 0
+    assert "PREFLIGHT REPORT" in capsys.readouterr().out
+
+
+def test_torchrun_without_node_rank_prints_every_node_and_starts_nothing(small_recipe, capsys):
+    assert main(["launch", str(small_recipe), "--nodes", "2", "--master-addr", "10.1.1.1", "--no-check"]) == 2
+    out = capsys.readouterr()
+    assert "--node_rank 0" in out.out and "--node_rank 1" in out.out
+    assert "torchrun cannot start processes on other nodes" in out.err
+
+
+def test_data_recipe_is_forwarded_to_every_rank(small_recipe, tmp_path, capsys):
+    """--data reaches each node's training command, and `grt train`'s own parser reads it back."""
+    from pipeline.cli import build_parser
+
+    data = tmp_path / "web.yaml"
+    data.write_text(yaml.safe_dump({"data": {"sources": [{"kind": "stdlib"}], "dataset_dir": str(tmp_path / "d")}}))
+    assert main(["launch", str(small_recipe), "--data", str(data), "--nodes", "2", "--master-addr", "h",
+                 "--dry-run", "train.max_steps=3"]) == 0
+    lines = [x for x in capsys.readouterr().out.splitlines() if x.startswith("torchrun ")]
+    assert len(lines) == 2
+    for line in lines:
+        argv = shlex.split(line)
+        a = build_parser().parse_args(argv[argv.index("-m") + 2:])  # after `-m pipeline.cli`
+        assert (a.command, a.recipe, a.data, a.overrides) == ("train", str(small_recipe), str(data),
+                                                              ["train.max_steps=3"])
+
+
+def test_slurm_without_sbatch_names_the_script_to_submit(small_recipe, monkeypatch, capsys):
+    monkeypatch.setenv("PATH", "/nonexistent")
+    assert main(["launch", str(small_recipe), "--nodes", "2", "--launcher", "slurm", "--no-check"]) == 1
+    script = small_recipe.parent / "runs" / "tiny" / "launch" / "tiny.sbatch"
+    assert script.is_file() and f"sbatch {script}" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------- simulated nodes on loopback (slow)
+
+
+def env(**extra) -> dict:
+    e = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", DS_ACCELERATOR="cpu")
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "SLURM_JOB_ID"):
+        e.pop(k, None)
+    return {**e, **extra}
+
+
+def step_losses(run_dir: Path) -> dict[int, float]:
+    out = {}
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        if "loss" in row:
+            out[row["step"]] = row["loss"]
+    return out
+
+
+def grt_launch(recipe: Path, *args: str) -> list[str]:
+    return [sys.executable, "-m", "pipeline.cli", "launch", str(recipe), *args]
+
+
+def run_nodes(cmds: list[list[str]], environ: dict, timeout: int = 600) -> list[str]:
+    """Start every node's command at once (as on a cluster), wait for all, return their outputs."""
+    procs = [subprocess.Popen(c, cwd=REPO, env=environ, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for c in cmds]
+    outs = [p.communicate(timeout=timeout)[0] for p in procs]
+    for p, out in zip(procs, outs):
+        assert p.returncode == 0, out[-4000:]
+    return outs
+
+
+FAKE_SRUN = """#!{python}
+# srun stand-in: start the command once per node with SLURM_NODEID set, pass TERM on, exit with the worst code
+import os, signal, subprocess, sys
+args = sys.argv[1:]
+while args and args[0].startswith("--"):
+    args.pop(0)
+procs = [subprocess.Popen(args, env=dict(os.environ, SLURM_NODEID=str(k), SLURM_PROCID=str(k)))
+         for k in range(int(os.environ["SLURM_JOB_NUM_NODES"]))]
+signal.signal(signal.SIGTERM, lambda *_: [p.send_signal(signal.SIGTERM) for p in procs])
+sys.exit(max(abs(p.wait()) for p in procs))
+"""
+FAKE_SCONTROL = """#!/bin/bash
+# scontrol stand-in: `show hostnames` -> this host once per node; `requeue` is recorded
+if [ "$1" = show ]; then for ((k=0; k<SLURM_JOB_NUM_NODES; k++)); do echo 127.0.0.1; done; fi
+if [ "$1" = requeue ]; then echo "$*" >> "$GRT_TEST_REQUEUED"; fi
+"""
+FAKE_SQUEUE = """#!/bin/bash
+# squeue stand-in: the job's state (-o %T)
+echo "${GRT_TEST_STATE:-RUNNING}"
+"""
+
+
+def fake_slurm(bindir: Path, srun: str) -> Path:
+    bindir.mkdir()
+    for name, text in (("srun", srun), ("scontrol", FAKE_SCONTROL), ("squeue", FAKE_SQUEUE)):
+        (bindir / name).write_text(text)
+        (bindir / name).chmod(0o755)
+    return bindir
+
+
+@pytest.mark.parametrize("state, requeued", [("RUNNING", True), ("CANCELLED", False)])
+def test_sbatch_trap_forwards_term_and_requeues_only_a_running_job(tmp_path, state, requeued):
+    """The script's own trap, with an srun that only waits for its TERM: the time-limit signal (job RUNNING)
+    requeues, a `scancel` (job CANCELLED) does not."""
+    log = tmp_path / "srun.log"
+    bindir = fake_slurm(tmp_path / "bin", "#!/bin/bash\ntrap 'echo TERM >> \"$GRT_TEST_SRUN_LOG\"; exit 0' TERM\n"
+                                          "echo started >> \"$GRT_TEST_SRUN_LOG\"\nwhile true; do sleep 0.05; done\n")
+    plan = make_plan(launcher="slurm", nodes=2, gpus_per_node=1, recipe="r.yaml", overrides=[], name="x",
+                     backend="fsdp", run_dir="runs/x", workdir=str(tmp_path), environ={}, setup="")
+    script = tmp_path / "x.sbatch"
+    script.write_text(render.sbatch_script(plan))
+    environ = dict(os.environ, PATH=f"{bindir}:{os.environ['PATH']}", SLURM_JOB_ID="77", SLURM_JOB_NUM_NODES="2",
+                   SLURM_JOB_NODELIST="n[1-2]", GRT_TEST_REQUEUED=str(tmp_path / "requeued"),
+                   GRT_TEST_SRUN_LOG=str(log), GRT_TEST_STATE=state)
+    job = subprocess.Popen(["bash", str(script)], env=environ, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                           text=True)
+    deadline = time.time() + 30
+    while not (log.is_file() and "started" in log.read_text()) and time.time() < deadline:
+        time.sleep(0.05)
+    job.send_signal(signal.SIGTERM)
+    out, _ = job.communicate(timeout=30)
+    assert job.returncode == 0, out
+    assert log.read_text().split() == ["started", "TERM"]  # srun got the TERM
+    assert (tmp_path / "requeued").is_file() == requeued, out
+    if requeued:
+        assert (tmp_path / "requeued").read_text().split() == ["requeue", "77"]
+
+
+@pytest.fixture(scope="module")
+def nodes(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("launch")
+    corpus = make_corpus(tmp / "corpus", n_docs=90)
+    recipe = tiny_recipe(tmp, corpus)
+    recipe["train"].update(max_steps=STEPS, checkpoint_interval=1000, eval_interval=1000, grad_accum_steps=4,
+                           micro_batch_size=2, log_interval=1, collective_timeout_s=60)
+    path = tmp / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    tokenize(from_dict(recipe).data, quiet=True)
+    runs, timings = tmp / "runs", {}
+
+    t0 = time.time()  # the reference: one node, two processes
+    run_nodes([[sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(PORT_REF),
+                "-m", "pipeline.cli", "train", str(path), "name=ref", "train.backend=fsdp"]], env())
+    timings["reference"] = time.time() - t0
+
+    t0 = time.time()
+    two = ["--nodes", "2", "--gpus-per-node", "1", "--master-addr", "127.0.0.1"]  # each node runs the preflight
+    tr_outs = run_nodes([grt_launch(path, "name=torchrun", "train.backend=fsdp", *two, "--launcher", "torchrun",
+                          "--master-port", str(PORT_TORCHRUN), "--node-rank", str(k)) for k in (0, 1)], env())
+    timings["torchrun"] = time.time() - t0
+
+    t0 = time.time()
+    ds_outs = run_nodes([grt_launch(path, "name=deepspeed", "train.backend=deepspeed", "train.zero_stage=3", *two,
+                                    "--launcher", "deepspeed", "--master-port", str(PORT_DEEPSPEED), "--node-rank",
+                                    str(k)) for k in (0, 1)], env())
+    timings["deepspeed"] = time.time() - t0
+
+    # SLURM: the script written by grt launch, run by bash with srun/scontrol stand-ins
+    bindir = fake_slurm(tmp / "fakebin", FAKE_SRUN.format(python=sys.executable))
+    subprocess.run(grt_launch(path, "name=slurm", "train.backend=fsdp", "--nodes", "2", "--gpus-per-node", "1",
+                              "--launcher", "slurm", "--grace", "90", "--dry-run"), cwd=REPO, env=env(), check=True,
+                   capture_output=True)
+    script = runs / "slurm" / "launch" / "slurm.sbatch"
+    requeued = tmp / "requeued"
+    senv = env(PATH=f"{bindir}:{os.environ['PATH']}", SLURM_JOB_ID=str(SLURM_JOB_ID), SLURM_JOB_NUM_NODES="2",
+               SLURM_JOB_NODELIST="fake[1-2]", GRT_TEST_REQUEUED=str(requeued))
+    t0 = time.time()
+    job = subprocess.Popen(["bash", str(script)], cwd=REPO, env=senv, stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True)
+    metrics = runs / "slurm" / "metrics.jsonl"
+    while job.poll() is None and not (metrics.is_file() and len(step_losses(runs / "slurm")) >= 2):
+        time.sleep(0.1)
+    job.send_signal(signal.SIGTERM)  # what SLURM does --grace seconds before the time limit (B: the batch shell)
+    first, _ = job.communicate(timeout=300)
+    assert metrics.is_file(), first[-4000:]
+    interrupted_at = max(step_losses(runs / "slurm"))
+    second = subprocess.run(["bash", str(script)], cwd=REPO, env=dict(senv, SLURM_RESTART_COUNT="1"),
+                            capture_output=True, text=True, timeout=600)  # the requeued job
+    timings["slurm"] = time.time() - t0
+    print("simulated-node timings (s):", {k: round(v, 1) for k, v in timings.items()})
+    return dict(runs=runs, ds_out=ds_outs[0], deepspeed_out=ds_outs[1], torchrun_out=tr_outs[1], first=first,
+                first_rc=job.returncode, interrupted_at=interrupted_at,
+                second=second, requeued=requeued, script=script)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["torchrun", "deepspeed"])
+def test_two_simulated_nodes_give_the_one_node_losses(nodes, name):
+    """fsdp over torchrun and ZeRO-3 over the deepspeed launcher, 2 nodes x 1 rank == 1 node x 2 ranks."""
+    ref, got = step_losses(nodes["runs"] / "ref"), step_losses(nodes["runs"] / name)
+    assert sorted(ref) == sorted(got) == list(range(1, STEPS + 1))
+    print(f"{name}: max relative difference to the one-node run "
+          f"{max(abs(got[s] - ref[s]) / abs(ref[s]) for s in ref):.2e}")
+    for step in ref:
+        assert got[step] == pytest.approx(ref[step], rel=1e-5), (step, got[step], ref[step])
+    if name == "deepspeed":  # the launcher ran the --no_ssh per-node form with a world of 2 nodes
+        assert "--no_ssh" in nodes["ds_out"] and "dist_world_size=2" in nodes["ds_out"]
+    assert "grt launch: preflight passed" in nodes[f"{name}_out"]  # each node ran the preflight first
+
+
+@pytest.mark.slow
+def test_slurm_script_saves_on_sigterm_requeues_and_resumes(nodes):
+    first, second = nodes["first"], nodes["second"]
+    assert nodes["first_rc"] == 0, first[-4000:]
+    assert "SIGTERM: saved step" in first, first[-4000:]
+    assert nodes["requeued"].read_text().split() == ["requeue", str(SLURM_JOB_ID)]
+    assert f"rendezvous 127.0.0.1:{PORT_BASE + SLURM_JOB_ID % PORT_SPAN}" in first  # 31500, by the bash formula
+    assert nodes["interrupted_at"] < STEPS, "the run ended before SIGTERM arrived: nothing was interrupted"
+    assert second.returncode == 0, (second.stdout + second.stderr)[-4000:]
+    ckpts = sorted(p.name for p in (nodes["runs"] / "slurm" / "checkpoints").iterdir())
+    assert f"step_{nodes['interrupted_at']:08d}" in ckpts  # the SIGTERM checkpoint (the interval is 1000)
+    ref, got = step_losses(nodes["runs"] / "ref"), step_losses(nodes["runs"] / "slurm")
+    assert sorted(got) == list(range(1, STEPS + 1))
+    print(f"slurm (interrupted after step {nodes['interrupted_at']}, resumed): max relative difference to the "
+          f"one-node run {max(abs(got[s] - ref[s]) / abs(ref[s]) for s in ref):.2e}")
+    for step in ref:
+        assert got[step] == pytest.approx(ref[step], rel=1e-5), (step, got[step], ref[step])
+
+
+def test_check_with_the_real_preflight_names_every_problem_of_a_bad_plan(tmp_path, corpus, capsys):
+    """No fake: an indivisible batch, a dataset that was never tokenized and a tracking server nobody runs, all
+    named at once by `grt launch --check`; --skip-data drops the dataset problem only."""
+    import socket
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    recipe = tiny_recipe(tmp_path, corpus, train={"backend": "fsdp", "grad_accum_steps": 3},
+                         tracking={"enabled": True, "uri": f"http://127.0.0.1:{port}"})
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    args = ["launch", str(path), "--gpus-per-node", "2", "--gpu-mem", "8", "--check"]
+    def problems() -> list[str]:
+        err = capsys.readouterr().err
+        return [line for line in err.split(" problems\n", 1)[1].splitlines() if line.startswith("  - ")]
+
+    assert main(args) == 2
+    found = problems()
+    assert len(found) == 3, found
+    assert "grad_accum_steps=3" in found[0] and str(tmp_path / "dataset") in found[1], found
+    assert f"127.0.0.1:{port}: no MLflow server answers" in found[2], found
+    assert main(args + ["--skip-data"]) == 2
+    found = problems()
+    assert len(found) == 2 and str(tmp_path / "dataset") not in "".join(found), found

@@ -1,0 +1,288 @@
+"""The preflight (launch/preflight.py): every deliberately wrong plan is named with its fix, a good tiny plan passes,
+and the activation estimate (launch/memory.py) agrees with memory measured on the real model.
+
+Measurement (CPU, fp32, train mode with noise): the storages of every tensor autograd saves for backward
+(``torch.autograd.graph.saved_tensors_hooks``; unique storages, so views count once; parameters excluded: they are
+model state) plus the tensors a non-reentrant checkpoint holds as its region's inputs (the anchor-term tuple is
+held by reference, not saved); and, for the peak, each checkpointed region run again exactly as backward recomputes
+it (same function, same inputs) under its own hook, its inputs excluded — the largest one counts.
+"""
+from __future__ import annotations
+
+import copy
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+import torch.utils._pytree as pytree
+
+from launch import memory
+from launch.preflight import run_preflight
+from pipeline.config import GPTConfig, GRTConfig, from_dict, load_recipe
+from pipeline.model import build_model
+from pipeline.train import parallelize as par
+
+from conftest import tiny_recipe
+
+REPO_RECIPES = Path(__file__).resolve().parents[1] / "recipes"
+
+
+# ------------------------------------------------------------------------------------------------ measurement
+def _storage(t: torch.Tensor) -> tuple[int, int]:
+    s = t.untyped_storage()
+    return s.data_ptr(), s.nbytes()
+
+
+def measure_activations(model_cfg, micro_batch: int, mode: str, seed: int = 0) -> tuple[int, int]:
+    """(bytes saved for backward by one forward, bytes of the largest checkpointed region when recomputed)."""
+    torch.manual_seed(seed)
+    model = build_model(model_cfg)
+    model.train()
+    params = {_storage(p)[0] for p in model.parameters()}
+    saved: dict[int, int] = {}
+    regions: list[int] = []
+
+    def record(into: dict, exclude: set):
+        def pack(t):
+            ptr, n = _storage(t)
+            if ptr not in params and ptr not in exclude and n:
+                into[ptr] = n
+            return t
+        return pack
+
+    def counting_checkpoint(fn, *args, **kwargs):
+        # What the checkpoint holds: every tensor among the region's inputs.
+        inputs = {}
+        for t in pytree.tree_leaves((args, kwargs)):
+            if isinstance(t, torch.Tensor) and _storage(t)[0] not in params and _storage(t)[1]:
+                inputs[_storage(t)[0]] = _storage(t)[1]
+        saved.update(inputs)
+        # The region as backward recomputes it: its activations beside its (already counted) inputs.
+        region: dict[int, int] = {}
+        rng = torch.get_rng_state()
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(record(region, set(inputs)), lambda t: t):
+            fn(*args, **{k: v for k, v in kwargs.items() if k not in ("use_reentrant", "preserve_rng_state")})
+        torch.set_rng_state(rng)
+        regions.append(sum(region.values()))
+        return real_checkpoint(fn, *args, **kwargs)
+
+    real_checkpoint = par.checkpoint
+    par.checkpoint = counting_checkpoint
+    try:
+        par.apply_activation_checkpointing(model, mode)
+        B, T = micro_batch, model_cfg.block_size
+        idx = torch.randint(0, model_cfg.vocab_size, (B, T))
+        tgt = torch.randint(0, model_cfg.vocab_size, (B, T))
+        with torch.autograd.graph.saved_tensors_hooks(record(saved, set()), lambda t: t):
+            _, loss = model(idx, tgt)
+        loss.backward()  # the graph is real: backward runs through every checkpoint
+    finally:
+        par.checkpoint = real_checkpoint
+    return sum(saved.values()), max(regions, default=0)
+
+
+# ------------------------------------------------------------------------------------------------ activations
+GRT_SHAPES = {
+    "grt 1+2x3+1 d64": (GRTConfig(vocab_size=512, block_size=64, d_model=64, n_head=4, n_prelude=1, n_core=2,
+                                  n_coda=1, n_recurrence=3), 2),
+    "grt 2+1x6+2 d96": (GRTConfig(vocab_size=1024, block_size=128, d_model=96, n_head=3, n_prelude=2, n_core=1,
+                                  n_coda=2, n_recurrence=6), 2),
+    "grt 0+3x8+1 d32": (GRTConfig(vocab_size=300, block_size=48, d_model=32, n_head=2, n_prelude=0, n_core=3,
+                                  n_coda=1, n_recurrence=8), 3),
+    "grt no-noise no-reinject zeros": (GRTConfig(vocab_size=256, block_size=32, d_model=48, n_head=2, n_prelude=1,
+                                                 n_core=2, n_coda=1, n_recurrence=4, reinject=False,
+                                                 state_noise="none", init_state="zeros"), 2),
+}
+CASES = [(name, mode) for name in GRT_SHAPES for mode in ("none", "core_step", "blocks")]
+CASES += [("gpt 4L d64", "none"), ("gpt 4L d64", "blocks")]
+
+
+def _case(name):
+    if name.startswith("gpt"):
+        return GPTConfig(vocab_size=512, block_size=64, d_model=64, n_head=4, n_layer=4), 2
+    return GRT_SHAPES[name]
+
+
+@pytest.mark.parametrize("name,mode", CASES)
+def test_activation_estimate_matches_measured(name, mode):
+    """Saved bytes and peak (saved + one recomputed region) of launch/memory.py vs measured, fp32 on CPU: +-20%."""
+    cfg, B = _case(name)
+    saved, region = measure_activations(cfg, B, mode)
+    est = memory.activation_bytes(cfg, B, mode, a=4, s=4)
+    print(f"{name:32s} {mode:9s} saved measured {saved:>10,} est {est.saved:>12,.0f}  "
+          f"peak measured {saved + region:>10,} est {est.peak:>12,.0f}")
+    assert est.saved == pytest.approx(saved, rel=0.2)
+    assert est.peak == pytest.approx(saved + region, rel=0.2)
+    assert (est.region == 0) == (region == 0)
+
+
+def test_model_state_single_matches_measured(tiny):
+    """params + grads + AdamW state of backend single (fp32) = the bytes of those tensors after one real step."""
+    from pipeline.train.optim import build_optimizer
+
+    cfg = tiny()
+    torch.manual_seed(0)
+    model = build_model(cfg.model)
+    opt = build_optimizer(model, cfg.train, "cpu")
+    idx = torch.randint(0, cfg.model.vocab_size, (2, cfg.model.block_size))
+    model(idx, idx)[1].backward()
+    opt.step()
+    uniq = {id(p): p for p in model.parameters()}.values()
+    measured = {"parameters": sum(p.nbytes for p in uniq), "gradients": sum(p.grad.nbytes for p in uniq),
+                "optimizer": sum(t.nbytes for st in opt.state.values() for k, t in st.items() if k != "step")}
+    est = memory.model_state_bytes(memory.count_params(cfg.model), "single", 0, 1, bf16=False)
+    assert {k: est[k] for k in measured} == measured
+    assert est["extra"] == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("mode", ["none", "core_step", "blocks"])
+def test_activation_estimate_matches_cuda(mode):
+    """On a GPU (bf16 autocast, fp32 parameters = backend single): memory retained after the forward and the peak of
+    forward + backward, from torch.cuda.max_memory_allocated, against the estimate (+-20%). Model state (weights,
+    their bf16 autocast copies, gradients) is taken out of the measured figures."""
+    cfg = GRTConfig(vocab_size=50257, block_size=512, d_model=512, n_head=8, n_prelude=2, n_core=2, n_coda=2,
+                    n_recurrence=4)
+    B = 4
+    torch.manual_seed(0)
+    model = build_model(cfg).cuda().train()
+    par.apply_activation_checkpointing(model, mode)
+    pc = memory.count_params(cfg)
+    idx = torch.randint(0, cfg.vocab_size, (B, cfg.block_size), device="cuda")
+    torch.cuda.synchronize()
+    m0 = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        _, loss = model(idx, idx)
+    retained = torch.cuda.memory_allocated() - m0 - 2 * pc.matmul  # minus the bf16 weight copies kept for backward
+    loss.backward()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - m0 - 2 * pc.matmul - 4 * pc.total  # minus the fp32 gradients
+    est = memory.activation_bytes(cfg, B, mode, a=2, s=4)
+    print(f"cuda {mode}: retained {retained / 2**20:.0f} MiB est {est.saved / 2**20:.0f}; "
+          f"peak {peak / 2**20:.0f} MiB est {est.total / 2**20:.0f}")
+    assert est.saved == pytest.approx(retained, rel=0.2)
+    assert est.total == pytest.approx(peak, rel=0.2)
+
+
+# ------------------------------------------------------------------------------------------------ the checks
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory, corpus):
+    """A real tokenized tiny dataset, shared by the data checks."""
+    from pipeline.tokenize import tokenize
+
+    tmp = tmp_path_factory.mktemp("pf")
+    recipe = tiny_recipe(tmp, corpus)
+    tokenize(from_dict(recipe).data, quiet=True)
+    return tmp, recipe
+
+
+def _cfg(dataset, **sections):
+    tmp, recipe = dataset
+    r = copy.deepcopy(recipe)
+    for k, v in sections.items():
+        r[k] = {**r.get(k, {}), **v}
+    return from_dict(r)
+
+
+def _closed_port() -> int:
+    for port in range(32000, 33000):
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) != 0:
+                return port
+    raise RuntimeError("no closed port in 32000-32999")
+
+
+def _one(rep, prefix: str) -> str:
+    hits = [p for p in rep.problems if p.startswith(prefix)]
+    assert len(hits) == 1, rep.render()
+    return hits[0]
+
+
+def test_good_tiny_plan_is_ok(dataset):
+    rep = run_preflight(_cfg(dataset, train={"backend": "fsdp"}), nodes=1, gpus_per_node=2, gpu_mem_gb=8)
+    text = rep.render()
+    assert rep.ok, text
+    assert "fits" in text and "epoch(s)" in text and "every shard's sha256" in text
+    assert "not set:" in text and "NCCL_SOCKET_IFNAME" in text
+
+
+def test_no_gpu_memory_is_said_not_a_problem(dataset):
+    rep = run_preflight(_cfg(dataset), gpu_mem_gb=None)
+    if not torch.cuda.is_available():
+        assert "no GPU here and no --gpu-mem" in rep.render()
+    assert rep.ok, rep.render()
+
+
+def test_indivisible_batch(dataset):
+    rep = run_preflight(_cfg(dataset, train={"grad_accum_steps": 4, "backend": "ddp"}), nodes=1, gpus_per_node=3, gpu_mem_gb=8)
+    msg = _one(rep, "batch:")
+    assert "grad_accum_steps=4" in msg and "grad_accum_steps=3" in msg and "grad_accum_steps=6" in msg
+
+
+def test_model_that_cannot_fit():
+    cfg = load_recipe(REPO_RECIPES / "paper/grt-large-isoparam.yaml", ["tracking.enabled=false"])
+    rep = run_preflight(cfg, nodes=1, gpus_per_node=1, gpu_mem_gb=8, check_data=False)
+    msg = _one(rep, "memory:")
+    assert "single" in msg and "8 GiB" in msg and "more GPUs" in msg  # no single-GPU plan fits 782M params in 8 GiB
+
+
+def test_memory_fix_it_suggests_fits():
+    """8 x 80 GiB ddp without checkpointing does not fit; the first suggested change, applied, does."""
+    over = ["tracking.enabled=false", "train.backend=ddp", "train.grad_accum_steps=64"]
+    path = REPO_RECIPES / "paper/grt-large-isoparam.yaml"
+    rep = run_preflight(load_recipe(path, over), nodes=1, gpus_per_node=8, gpu_mem_gb=80, check_data=False)
+    msg = _one(rep, "memory:")
+    assert "train.activation_checkpointing=core_step" in msg
+    fixed = run_preflight(load_recipe(path, over + ["train.activation_checkpointing=core_step"]), nodes=1,
+                          gpus_per_node=8, gpu_mem_gb=80, check_data=False)
+    assert fixed.ok, fixed.render()
+
+
+def test_missing_dataset(dataset, tmp_path):
+    rep = run_preflight(_cfg(dataset, data={"dataset_dir": str(tmp_path / "nothing")}), gpu_mem_gb=8)
+    msg = _one(rep, "data:")
+    assert str(tmp_path / "nothing") in msg and "grt tokenize" in msg
+
+
+def test_tokenizer_mismatch(dataset, tmp_path):
+    import json
+    import shutil
+
+    src = dataset[1]["data"]["dataset_dir"]
+    dst = tmp_path / "other-vocab"
+    shutil.copytree(src, dst)
+    m = json.loads((dst / "manifest.json").read_text())
+    m["tokenizer"]["vocab_hash"] = "0" * 64
+    (dst / "manifest.json").write_text(json.dumps(m))
+    rep = run_preflight(_cfg(dataset, data={"dataset_dir": str(dst)}), gpu_mem_gb=8)
+    msg = _one(rep, "data:")
+    assert "vocab_hash" in msg and "0" * 64 in msg and "grt tokenize RECIPE --force" in msg
+
+
+def test_unreachable_tracking(dataset):
+    uri = f"http://127.0.0.1:{_closed_port()}"
+    rep = run_preflight(_cfg(dataset, tracking={"enabled": True, "uri": uri}), gpu_mem_gb=8)
+    msg = _one(rep, "tracking:")
+    assert uri in msg and "mlflow server" in msg and "tracking.enabled=false" in msg
+
+
+def test_no_disk(dataset, monkeypatch):
+    import shutil
+    from collections import namedtuple
+
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10**9, 10**9 - 1000, 1000))
+    rep = run_preflight(_cfg(dataset), gpu_mem_gb=8)
+    msg = _one(rep, "disk:")
+    assert "keep_checkpoints=3" in msg and "out_dir" in msg
+
+
+def test_every_problem_at_once(dataset, tmp_path):
+    cfg = _cfg(dataset, data={"dataset_dir": str(tmp_path / "none")}, train={"grad_accum_steps": 3, "backend": "ddp"},
+               tracking={"enabled": True, "uri": f"http://127.0.0.1:{_closed_port()}"})
+    rep = run_preflight(cfg, nodes=2, gpus_per_node=1, gpu_mem_gb=8)
+    assert {p.split(":")[0] for p in rep.problems} == {"batch", "data", "tracking"}, rep.render()
+    assert not rep.ok and rep.render().count("\n  - ") == 3
