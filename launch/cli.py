@@ -6,6 +6,7 @@ Order: load the recipe -> check the plan -> preflight (``--check`` stops here) -
 from __future__ import annotations
 
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -58,7 +59,7 @@ def add_launch_parser(sub) -> None:
 def default_setup() -> str:
     """Activate the virtual environment grt runs from, so every SLURM node runs the same Python."""
     if sys.prefix != sys.base_prefix:
-        return f"source {Path(sys.prefix) / 'bin' / 'activate'}"
+        return f"source {shlex.quote(str(Path(sys.prefix) / 'bin' / 'activate'))}"
     return "# (grt runs outside a virtual environment: the job inherits the submitting shell's PATH)"
 
 

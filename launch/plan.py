@@ -150,6 +150,9 @@ def make_plan(*, launcher: str, nodes: int, gpus_per_node: int, recipe: str, ove
         p.append(f"--hostfile/--hosts are for --launcher deepspeed; {launcher} does not read them")
     if master_port is not None and not 1024 <= master_port <= 65535:
         p.append(f"--master-port {master_port}: choose a free port in 1024..65535")
+    if launcher == "slurm" and any(c.isspace() for c in workdir + run_dir):
+        p.append(f"--launcher slurm: the working folder {workdir!r} or run folder {run_dir!r} contains white space, "
+                 f"which #SBATCH lines cannot hold; run grt launch from a folder without spaces (or set out_dir=)")
     if grace_s < 90:
         p.append(f"--grace {grace_s}: give at least 90 s between SIGTERM and the time limit (torchrun gives the ranks "
                  f"GRACE - 60 s to save a checkpoint, the last minute is for the requeue)")

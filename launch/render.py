@@ -32,7 +32,8 @@ class Command:
     env: dict[str, str] = field(default_factory=dict)
 
     def text(self) -> str:
-        return shlex.join([f"{k}={v}" for k, v in self.env.items()] + self.argv)
+        # an assignment word stays one: quote the value, never the whole KEY=VALUE (bash would run that as a command)
+        return " ".join([f"{k}={shlex.quote(v)}" for k, v in self.env.items()] + [shlex.join(self.argv)])
 
 
 def train_args(plan: Plan) -> list[str]:

@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 BUFFER_FILE = "tracking_buffer.jsonl"
+REJECTED_FILE = "tracking_rejected.jsonl"  # lines the store refused for good (HTTP 4xx): kept aside, never resent
 # MLflow's limits per log_batch call
 MAX_METRICS_PER_BATCH, MAX_PARAMS_PER_BATCH, MAX_TAGS_PER_BATCH = 1000, 100, 100
 
@@ -56,9 +57,16 @@ class TrackingBuffer:
             self._memory.append(item)
             return
         line = (json.dumps(item, separators=(",", ":")) + "\n").encode()
-        with self._locked():
-            self._file.write(line)
-            self._sync()  # a killed job, or a dead node, keeps every line it appended
+        while True:
+            with self._locked():
+                removed = os.fstat(self._file.fileno()).st_nlink == 0
+                if not removed:
+                    self._file.write(line)
+                    self._sync()  # a killed job, or a dead node, keeps every line it appended
+                    return
+            # a `grt track sync` emptied the journal and removed it meanwhile: append to a new file at the path
+            self._file.close()
+            self._file = open(self.path, "a+b")
 
     def replay(self, client, run_id: str) -> int:
         """Send every pending line to ``run_id`` in order, then empty the journal; returns the number of lines sent.
@@ -73,10 +81,35 @@ class TrackingBuffer:
             return len(items)
         with self._locked():
             items = self._read()
-            send(client, run_id, items)
+            try:
+                send(client, run_id, items)
+            except Exception as e:  # noqa: BLE001
+                if not refused_for_good(e):
+                    raise  # the server is away: keep every line for the next replay
+                self._send_one_by_one(client, run_id, items)
             self._file.truncate(0)
             self._sync()
         return len(items)
+
+    def _send_one_by_one(self, client, run_id: str, items: list[dict]) -> None:
+        """The store refused something for good: find the lines it refuses, set them aside (with a warning) so
+        that they never block the rest; if the server goes away meanwhile, keep what is left and re-raise."""
+        for i, item in enumerate(items):
+            try:
+                send(client, run_id, [item])
+            except Exception as e:  # noqa: BLE001
+                if not refused_for_good(e):
+                    self._file.truncate(0)
+                    self._file.write(b"".join((json.dumps(x, separators=(",", ":")) + "\n").encode()
+                                              for x in items[i:]))
+                    self._sync()
+                    raise
+                aside = self.path.with_name(REJECTED_FILE)
+                with open(aside, "a") as f:
+                    f.write(json.dumps({"error": str(e)[:2000], "line": item}) + "\n")
+                print(f"tracking: WARNING: the MLflow store refused a buffered {item['op']!r} line for good "
+                      f"({str(e).splitlines()[0][:300]}); it is kept in {aside} and not sent again",
+                      file=sys.stderr, flush=True)
 
     def close(self) -> None:
         """Close the journal; an empty one is removed (nothing left to sync)."""
@@ -109,6 +142,17 @@ class TrackingBuffer:
                 print(f"tracking: {self.path}:{n} is not a complete line (a job killed while appending it); "
                       f"skipped", file=sys.stderr)
         return items
+
+
+def refused_for_good(e: Exception) -> bool:
+    """An answer of the store that a retry will not change (HTTP 4xx: invalid value, too long, ...), as opposed to
+    a server that cannot be reached (connection errors, 5xx), after which every line is kept for later."""
+    from mlflow.exceptions import MlflowException
+
+    if not isinstance(e, MlflowException):
+        return False
+    status = e.get_http_status_code()
+    return 400 <= status < 500 and status not in (408, 429)
 
 
 class _FileLock:

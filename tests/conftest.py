@@ -70,3 +70,24 @@ def tiny(tmp_path, corpus):
     def build(model=None, **sections):
         return from_dict(tiny_recipe(tmp_path, corpus, model, **sections))
     return build
+
+
+def subprocess_env(**extra) -> dict:
+    """The environment of a launched training process: one thread per rank, unbuffered output, no launcher
+    variables inherited from the calling shell (a stray RANK would make `grt train` think it runs under torchrun)."""
+    e = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    if not shutil.which("nvidia-smi"):
+        e.setdefault("DS_ACCELERATOR", "cpu")
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "SLURM_JOB_ID"):
+        e.pop(k, None)
+    return {**e, **extra}
+
+
+def step_losses(run_dir: Path) -> dict[int, float]:
+    """Per-step training losses from metrics.jsonl; for a resumed run, the last time each step was logged."""
+    out = {}
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        if "loss" in row:
+            out[row["step"]] = row["loss"]
+    return out

@@ -21,7 +21,7 @@ import yaml
 from pipeline.config import from_dict
 from pipeline.tokenize import tokenize
 
-from conftest import make_corpus, tiny_recipe
+from conftest import make_corpus, step_losses, subprocess_env, tiny_recipe
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS, CKPT_EVERY, KILL_AFTER = 20, 8, 11  # kill once step 11 is logged: 3 steps past the checkpoint at 8
@@ -60,24 +60,12 @@ def command(backend: str, recipe: Path, name: str) -> list[str]:
     return torchrun + args
 
 
-def env() -> dict:
-    e = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    e.pop("RANK", None)
-    return e
 
 
-def step_losses(run_dir: Path) -> dict[int, float]:
-    """Per-step losses; for a resumed run, the last time each step was logged."""
-    out = {}
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        row = json.loads(line)
-        if "loss" in row:
-            out[row["step"]] = row["loss"]
-    return out
 
 
 def run(backend: str, recipe: Path, name: str, timeout: int = 600) -> None:
-    p = subprocess.run(command(backend, recipe, name), cwd=REPO, env=env(), capture_output=True, text=True,
+    p = subprocess.run(command(backend, recipe, name), cwd=REPO, env=subprocess_env(), capture_output=True, text=True,
                        timeout=timeout)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
 
@@ -105,7 +93,7 @@ def test_sigkill_and_resume_continue_exactly(setup, uninterrupted, backend):
     name = f"killed-{backend}"
     run_dir = tmp / "runs" / name
     # every rank SIGKILLs itself right after step 11 is logged (GRT_FAULT_KILL_AT_STEP): between checkpoints
-    p = subprocess.run(command(backend, recipe, name), cwd=REPO, env=dict(env(), GRT_FAULT_KILL_AT_STEP=str(KILL_AFTER)),
+    p = subprocess.run(command(backend, recipe, name), cwd=REPO, env=dict(subprocess_env(), GRT_FAULT_KILL_AT_STEP=str(KILL_AFTER)),
                        capture_output=True, text=True, timeout=600)
     assert p.returncode != 0
     assert max(step_losses(run_dir)) == KILL_AFTER
@@ -121,7 +109,7 @@ def test_sigterm_saves_a_checkpoint_and_exits_cleanly(setup, backend):
     tmp, recipe = setup
     name = f"sigterm-{backend}"
     run_dir = tmp / "runs" / name
-    proc = subprocess.Popen(command(backend, recipe, name) + ["train.max_steps=100000"], cwd=REPO, env=env(),
+    proc = subprocess.Popen(command(backend, recipe, name) + ["train.max_steps=100000"], cwd=REPO, env=subprocess_env(),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     deadline = time.time() + 120
     while time.time() < deadline and not ((run_dir / "metrics.jsonl").is_file() and
@@ -141,7 +129,7 @@ def test_a_dying_rank_stops_the_other_with_a_clear_error(setup):
     tmp, recipe = setup
     t0 = time.time()
     p = subprocess.run(command("ddp", recipe, "dying") + ["train.max_steps=100000"], cwd=REPO,
-                       env=dict(env(), GRT_FAULT_KILL_AT_STEP="3", GRT_FAULT_KILL_RANK="1"), capture_output=True,
+                       env=dict(subprocess_env(), GRT_FAULT_KILL_AT_STEP="3", GRT_FAULT_KILL_RANK="1"), capture_output=True,
                        text=True, timeout=120)
     assert time.time() - t0 < 90  # bounded (collective timeout 30 s here), not a hang
     assert p.returncode != 0
@@ -154,7 +142,7 @@ def test_a_kill_during_a_checkpoint_save_leaves_the_previous_one_loadable(setup,
     tmp, recipe = setup
     name = "killed-in-save"
     run_dir = tmp / "runs" / name
-    p = subprocess.run(command("single", recipe, name), cwd=REPO, env=dict(env(), GRT_FAULT_KILL_IN_SAVE="16"),
+    p = subprocess.run(command("single", recipe, name), cwd=REPO, env=dict(subprocess_env(), GRT_FAULT_KILL_IN_SAVE="16"),
                        capture_output=True, text=True, timeout=300)
     assert p.returncode != 0
     ckpts = sorted(q.name for q in (run_dir / "checkpoints").iterdir())
@@ -169,7 +157,7 @@ def test_non_finite_steps_are_skipped_then_the_run_stops(setup):
     tmp, recipe = setup
     name = "nan"
     p = subprocess.run(command("ddp", recipe, name) + ["train.max_bad_steps=3"], cwd=REPO,
-                       env=dict(env(), GRT_FAULT_NAN_STEPS="5,12,13,14"), capture_output=True, text=True,
+                       env=dict(subprocess_env(), GRT_FAULT_NAN_STEPS="5,12,13,14"), capture_output=True, text=True,
                        timeout=300)
     rows = [json.loads(line) for line in (tmp / "runs" / name / "metrics.jsonl").read_text().splitlines()
             if '"loss"' in line]
@@ -209,7 +197,7 @@ def test_deepspeed_resumes_on_another_world_size_through_the_universal_checkpoin
             shutil.rmtree(tmp / "runs" / name / "checkpoints" / f"step_{later:08d}")
         p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "--master_port",
                             str(29480 + stage), "-m", "pipeline.cli", "train", str(recipe), f"name={name}",
-                            *BACKENDS[f"zero{stage}"]], cwd=REPO, env=env(), capture_output=True, text=True,
+                            *BACKENDS[f"zero{stage}"]], cwd=REPO, env=subprocess_env(), capture_output=True, text=True,
                            timeout=600)
         if stage == 3:
             assert p.returncode != 0

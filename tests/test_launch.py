@@ -14,7 +14,6 @@ Golden files (tests/golden/launch/) hold the dry-run output for a fixed plan; re
 from __future__ import annotations
 
 import difflib
-import json
 import os
 import re
 import shlex
@@ -34,7 +33,7 @@ from pipeline.cli import main
 from pipeline.config import from_dict, load_recipe
 from pipeline.tokenize import tokenize
 
-from conftest import make_corpus, tiny_recipe
+from conftest import make_corpus, step_losses, subprocess_env, tiny_recipe
 
 REPO = Path(__file__).resolve().parents[1]
 GOLDEN = Path(__file__).parent / "golden" / "launch"
@@ -281,20 +280,8 @@ def test_slurm_without_sbatch_names_the_script_to_submit(small_recipe, monkeypat
 # ------------------------------------------------------------------------- simulated nodes on loopback (slow)
 
 
-def env(**extra) -> dict:
-    e = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", DS_ACCELERATOR="cpu")
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "SLURM_JOB_ID"):
-        e.pop(k, None)
-    return {**e, **extra}
 
 
-def step_losses(run_dir: Path) -> dict[int, float]:
-    out = {}
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        row = json.loads(line)
-        if "loss" in row:
-            out[row["step"]] = row["loss"]
-    return out
 
 
 def grt_launch(recipe: Path, *args: str) -> list[str]:
@@ -312,15 +299,24 @@ def run_nodes(cmds: list[list[str]], environ: dict, timeout: int = 600) -> list[
 
 
 FAKE_SRUN = """#!{python}
-# srun stand-in: start the command once per node with SLURM_NODEID set, pass TERM on, exit with the worst code
+# srun stand-in: start the command once per node with SLURM_NODEID set (task pids recorded for scancel); a TERM to srun
+# itself kills its tasks outright, as a real srun terminating its step would: the script must not rely on srun
 import os, signal, subprocess, sys
 args = sys.argv[1:]
 while args and args[0].startswith("--"):
     args.pop(0)
 procs = [subprocess.Popen(args, env=dict(os.environ, SLURM_NODEID=str(k), SLURM_PROCID=str(k)))
          for k in range(int(os.environ["SLURM_JOB_NUM_NODES"]))]
-signal.signal(signal.SIGTERM, lambda *_: [p.send_signal(signal.SIGTERM) for p in procs])
+with open(os.environ["GRT_TEST_SLURM_TASKS"], "a") as f:
+    f.write("".join(f"{{p.pid}}\\n" for p in procs))
+signal.signal(signal.SIGTERM, lambda *_: [p.kill() for p in procs])
 sys.exit(max(abs(p.wait()) for p in procs))
+"""
+FAKE_SCANCEL = """#!/bin/bash
+# scancel stand-in: `scancel --signal=TERM JOB` sends TERM to the tasks of the job's steps (not to srun, not to the
+# batch shell)
+[ "$1" = --signal=TERM ] || exit 1
+while read -r pid; do kill -TERM "$pid" 2>/dev/null; done < "$GRT_TEST_SLURM_TASKS"
 """
 FAKE_SCONTROL = """#!/bin/bash
 # scontrol stand-in: `show hostnames` -> this host once per node; `requeue` is recorded
@@ -335,7 +331,8 @@ echo "${GRT_TEST_STATE:-RUNNING}"
 
 def fake_slurm(bindir: Path, srun: str) -> Path:
     bindir.mkdir()
-    for name, text in (("srun", srun), ("scontrol", FAKE_SCONTROL), ("squeue", FAKE_SQUEUE)):
+    for name, text in (("srun", srun), ("scancel", FAKE_SCANCEL), ("scontrol", FAKE_SCONTROL),
+                       ("squeue", FAKE_SQUEUE)):
         (bindir / name).write_text(text)
         (bindir / name).chmod(0o755)
     return bindir
@@ -346,7 +343,9 @@ def test_sbatch_trap_forwards_term_and_requeues_only_a_running_job(tmp_path, sta
     """The script's own trap, with an srun that only waits for its TERM: the time-limit signal (job RUNNING)
     requeues, a `scancel` (job CANCELLED) does not."""
     log = tmp_path / "srun.log"
+    # srun here is its own single task: it records its pid for scancel and logs the TERM that reaches it
     bindir = fake_slurm(tmp_path / "bin", "#!/bin/bash\ntrap 'echo TERM >> \"$GRT_TEST_SRUN_LOG\"; exit 0' TERM\n"
+                                          "echo $$ >> \"$GRT_TEST_SLURM_TASKS\"\n"
                                           "echo started >> \"$GRT_TEST_SRUN_LOG\"\nwhile true; do sleep 0.05; done\n")
     plan = make_plan(launcher="slurm", nodes=2, gpus_per_node=1, recipe="r.yaml", overrides=[], name="x",
                      backend="fsdp", run_dir="runs/x", workdir=str(tmp_path), environ={}, setup="")
@@ -354,7 +353,7 @@ def test_sbatch_trap_forwards_term_and_requeues_only_a_running_job(tmp_path, sta
     script.write_text(render.sbatch_script(plan))
     environ = dict(os.environ, PATH=f"{bindir}:{os.environ['PATH']}", SLURM_JOB_ID="77", SLURM_JOB_NUM_NODES="2",
                    SLURM_JOB_NODELIST="n[1-2]", GRT_TEST_REQUEUED=str(tmp_path / "requeued"),
-                   GRT_TEST_SRUN_LOG=str(log), GRT_TEST_STATE=state)
+                   GRT_TEST_SRUN_LOG=str(log), GRT_TEST_STATE=state, GRT_TEST_SLURM_TASKS=str(tmp_path / "tasks"))
     job = subprocess.Popen(["bash", str(script)], env=environ, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                            text=True)
     deadline = time.time() + 30
@@ -363,7 +362,7 @@ def test_sbatch_trap_forwards_term_and_requeues_only_a_running_job(tmp_path, sta
     job.send_signal(signal.SIGTERM)
     out, _ = job.communicate(timeout=30)
     assert job.returncode == 0, out
-    assert log.read_text().split() == ["started", "TERM"]  # srun got the TERM
+    assert log.read_text().split() == ["started", "TERM"]  # the task got the TERM
     assert (tmp_path / "requeued").is_file() == requeued, out
     if requeued:
         assert (tmp_path / "requeued").read_text().split() == ["requeue", "77"]
@@ -383,30 +382,31 @@ def nodes(tmp_path_factory):
 
     t0 = time.time()  # the reference: one node, two processes
     run_nodes([[sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(PORT_REF),
-                "-m", "pipeline.cli", "train", str(path), "name=ref", "train.backend=fsdp"]], env())
+                "-m", "pipeline.cli", "train", str(path), "name=ref", "train.backend=fsdp"]], subprocess_env())
     timings["reference"] = time.time() - t0
 
     t0 = time.time()
     two = ["--nodes", "2", "--gpus-per-node", "1", "--master-addr", "127.0.0.1"]  # each node runs the preflight
     tr_outs = run_nodes([grt_launch(path, "name=torchrun", "train.backend=fsdp", *two, "--launcher", "torchrun",
-                          "--master-port", str(PORT_TORCHRUN), "--node-rank", str(k)) for k in (0, 1)], env())
+                          "--master-port", str(PORT_TORCHRUN), "--node-rank", str(k)) for k in (0, 1)], subprocess_env())
     timings["torchrun"] = time.time() - t0
 
     t0 = time.time()
     ds_outs = run_nodes([grt_launch(path, "name=deepspeed", "train.backend=deepspeed", "train.zero_stage=3", *two,
                                     "--launcher", "deepspeed", "--master-port", str(PORT_DEEPSPEED), "--node-rank",
-                                    str(k)) for k in (0, 1)], env())
+                                    str(k)) for k in (0, 1)], subprocess_env())
     timings["deepspeed"] = time.time() - t0
 
     # SLURM: the script written by grt launch, run by bash with srun/scontrol stand-ins
     bindir = fake_slurm(tmp / "fakebin", FAKE_SRUN.format(python=sys.executable))
     subprocess.run(grt_launch(path, "name=slurm", "train.backend=fsdp", "--nodes", "2", "--gpus-per-node", "1",
-                              "--launcher", "slurm", "--grace", "90", "--dry-run"), cwd=REPO, env=env(), check=True,
+                              "--launcher", "slurm", "--grace", "90", "--dry-run"), cwd=REPO, env=subprocess_env(), check=True,
                    capture_output=True)
     script = runs / "slurm" / "launch" / "slurm.sbatch"
     requeued = tmp / "requeued"
-    senv = env(PATH=f"{bindir}:{os.environ['PATH']}", SLURM_JOB_ID=str(SLURM_JOB_ID), SLURM_JOB_NUM_NODES="2",
-               SLURM_JOB_NODELIST="fake[1-2]", GRT_TEST_REQUEUED=str(requeued))
+    senv = subprocess_env(PATH=f"{bindir}:{os.environ['PATH']}", SLURM_JOB_ID=str(SLURM_JOB_ID), SLURM_JOB_NUM_NODES="2",
+               SLURM_JOB_NODELIST="fake[1-2]", GRT_TEST_REQUEUED=str(requeued),
+               GRT_TEST_SLURM_TASKS=str(tmp / "slurm-tasks"))
     t0 = time.time()
     job = subprocess.Popen(["bash", str(script)], cwd=REPO, env=senv, stdout=subprocess.PIPE,
                            stderr=subprocess.STDOUT, text=True)

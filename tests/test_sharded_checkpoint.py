@@ -23,7 +23,7 @@ import yaml
 from pipeline.config import from_dict
 from pipeline.tokenize import tokenize
 
-from conftest import make_corpus, tiny_recipe
+from conftest import make_corpus, step_losses, subprocess_env, tiny_recipe
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS, CKPT_EVERY, KILL_AFTER = 12, 4, 6  # killed once step 6 is logged: 2 steps past the checkpoint at 4
@@ -31,12 +31,6 @@ STEPS, CKPT_EVERY, KILL_AFTER = 12, 4, 6  # killed once step 6 is logged: 2 step
 pytestmark = pytest.mark.slow
 
 
-def env(**extra) -> dict:
-    import os
-
-    e = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **extra)
-    e.pop("RANK", None)
-    return e
 
 
 def launch(recipe: Path, name: str, nproc: int, *overrides: str, port: int, fault: dict | None = None,
@@ -46,19 +40,12 @@ def launch(recipe: Path, name: str, nproc: int, *overrides: str, port: int, faul
     cmd = [sys.executable, *args] if nproc == 0 else [
         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port", str(port),
         *args]
-    p = subprocess.run(cmd, cwd=REPO, env=env(**(fault or {})), capture_output=True, text=True, timeout=600)
+    p = subprocess.run(cmd, cwd=REPO, env=subprocess_env(**(fault or {})), capture_output=True, text=True, timeout=600)
     if check:
         assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     return p
 
 
-def step_losses(run_dir: Path) -> dict[int, float]:
-    out = {}
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        row = json.loads(line)
-        if "loss" in row:
-            out[row["step"]] = row["loss"]
-    return out
 
 
 def checkpoint_rows(run_dir: Path) -> list[dict]:
@@ -110,6 +97,7 @@ def test_fsdp_writes_shards_and_resumes_exactly_after_kills(setup, uninterrupted
     assert p.returncode != 0
     assert sorted(q.name for q in (in_save / "checkpoints").iterdir()) == [".tmp_step_00000008", "step_00000004"]
     launch(recipe, "killed-in-save", 2, "train.backend=fsdp", port=35105)
+    assert not list((in_save / "checkpoints").glob(".tmp_*"))  # the interrupted save was swept at the next publish
     resumed = step_losses(in_save)
     assert [resumed[s] == uninterrupted[s] for s in range(CKPT_EVERY + 1, STEPS + 1)] == [True] * (STEPS - CKPT_EVERY)
 

@@ -178,6 +178,58 @@ def test_buffer_keeps_lines_and_skips_a_torn_one(tmp_path):
     assert not path.exists()  # nothing left to sync
 
 
+def test_a_refused_line_is_set_aside_and_a_concurrent_sync_loses_nothing(tmp_path, capsys):
+    """A line the store refuses for good (HTTP 400) goes to tracking_rejected.jsonl and the lines around it are sent;
+    a connection error on the way keeps what was not sent; a `grt track sync` that empties and removes the journal
+    while the trainer holds it open does not swallow the trainer's next lines."""
+    from mlflow.exceptions import MlflowException
+    from mlflow.protos.databricks_pb2 import INVALID_PARAMETER_VALUE
+
+    from pipeline.tracking_sync import REJECTED_FILE, TrackingBuffer
+
+    class Store:
+        def __init__(self, down_after: int | None = None):
+            self.metrics, self.calls, self.down_after = [], 0, down_after
+
+        def log_batch(self, run_id, metrics=(), params=(), tags=()):
+            self.calls += 1
+            if self.down_after is not None and self.calls > self.down_after:
+                raise MlflowException("API request to http://x failed with exception ConnectionError")  # 500
+            if any(p.key == "bad" for p in params):
+                raise MlflowException("param 'bad' already logged with another value", INVALID_PARAMETER_VALUE)
+            # like MLflow's stores, a metric equal in (key, value, timestamp, step) to one the run has is dropped
+            self.metrics += [(m.key, m.step) for m in metrics if (m.key, m.step) not in self.metrics]
+
+        def get_run(self, run_id):
+            return type("Run", (), {"data": type("Data", (), {"params": {}})()})()
+
+    path = tmp_path / "tracking_buffer.jsonl"
+    lines = [{"op": "metrics", "items": [["loss", 1.0, 1, 1]]}, {"op": "params", "items": {"bad": "x"}},
+             {"op": "metrics", "items": [["loss", 0.5, 2, 2]]}]
+    buf = TrackingBuffer(path)
+    for line in lines:
+        buf.append(line)
+    store = Store()
+    assert buf.replay(store, "run") == 3
+    assert store.metrics == [("loss", 1), ("loss", 2)] and path.stat().st_size == 0
+    aside = [json.loads(x) for x in (tmp_path / REJECTED_FILE).read_text().splitlines()]
+    assert [a["line"] for a in aside] == [lines[1]] and "refused a buffered 'params' line" in capsys.readouterr().err
+
+    for line in lines:  # the server goes away after the first line of the one-by-one pass: the rest is kept
+        buf.append(line)
+    with pytest.raises(MlflowException):
+        buf.replay(Store(down_after=3), "run")  # batch: A, P refused; one by one: A, then down
+    assert [json.loads(x) for x in path.read_text().splitlines()] == lines[1:]
+
+    sync = TrackingBuffer(path)  # `grt track sync` in another process: sends, empties, removes the file
+    sync.replay(Store(), "run")
+    sync.close()
+    assert not path.exists()
+    buf.append(lines[2])  # the trainer's next line lands in a journal that exists
+    assert [json.loads(x) for x in path.read_text().splitlines()] == [lines[2]]
+    buf.close()
+
+
 def test_server_down_at_start_fails_before_training(tmp_path, corpus, capsys):
     uri = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     r = recipe(tmp_path, corpus, uri, "nostart")

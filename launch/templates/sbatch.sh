@@ -32,12 +32,14 @@ srun --ntasks-per-node=1 --kill-on-bad-exit=1 bash -c 'exec torchrun --nnodes {{
     {{train_command}} &
 srun_pid=$!
 
-# SLURM signals only this shell (B:); pass the TERM on to srun (-> torchrun -> every rank, which saves a checkpoint
-# at its current step and exits), wait for it, then requeue the job. `scancel` also TERMs this shell, but then the
-# job is no longer RUNNING: it is not requeued.
+# SLURM signals only this shell (B:). The TERM goes on to the tasks of the job's steps with `scancel --signal`
+# (not to srun itself: srun answers a TERM by terminating its step, SIGKILL after KillWait, which would cut a
+# checkpoint short): torchrun passes it to every rank, each saves a checkpoint at its current step and exits. Then
+# the job requeues itself. `scancel` of the whole job also TERMs this shell, but then the job is no longer RUNNING:
+# it is not requeued.
 on_term() {
-    echo "grt: SIGTERM: forwarding it to the ranks (each saves a checkpoint at its current step)"
-    kill -TERM "$srun_pid" 2>/dev/null
+    echo "grt: SIGTERM: passing it to the ranks (each saves a checkpoint at its current step)"
+    scancel --signal=TERM "$SLURM_JOB_ID"
     wait "$srun_pid"
     state=$(squeue -h -j "$SLURM_JOB_ID" -o %T 2>/dev/null)
     if [ "$state" = RUNNING ]; then

@@ -15,6 +15,7 @@ import contextlib
 import datetime
 import math
 import os
+import time
 from pathlib import Path
 
 import torch
@@ -326,9 +327,17 @@ class DeepSpeed(TorchDistributed):
             raise ValueError(f"cannot resume {folder} with train.backend=deepspeed: it was written by "
                              f"train.backend={state['recipe']['train']['backend']} (a torch checkpoint); resume with "
                              f"that backend")
-        saved_world = state.get("world_size")
+        saved_stage = state["recipe"]["train"]["zero_stage"]
+        if saved_stage != self.cfg.zero_stage:
+            raise ValueError(f"cannot resume {folder} with train.zero_stage={self.cfg.zero_stage}: it was written "
+                             f"with ZeRO-{saved_stage}, and DeepSpeed loads its ZeRO files into the same stage only. "
+                             f"Resume with train.zero_stage={saved_stage}, or convert the weights (`grt checkpoint "
+                             f"convert {folder} --to full`) and start a new run from them")
+        # checkpoints written before the world size was recorded: one optimizer partition file per rank
+        saved_world = (state.get("world_size")
+                       or len(list((folder / "deepspeed").glob("*zero_pp_rank_*optim_states.pt"))))
         tag = "deepspeed"
-        if saved_world is not None and saved_world != self.world_size:
+        if saved_world and saved_world != self.world_size:
             tag = self._universal(folder, saved_world)
         path, _ = model.load_checkpoint(str(folder), tag=tag, load_optimizer_states=True,
                                         load_lr_scheduler_states=False)
@@ -358,12 +367,18 @@ class DeepSpeed(TorchDistributed):
 
             from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
 
+            print(f"DeepSpeed checkpoint {folder} was written by {saved_world} ranks, this run has "
+                  f"{self.world_size}: converting it to DeepSpeed's universal checkpoint (once)", flush=True)
             tmp = folder / ".deepspeed_universal.tmp"  # a kill during the conversion leaves no half-converted tag
             shutil.rmtree(tmp, ignore_errors=True)
             ds_to_universal(argparse.Namespace(
-                input_folder=str(folder / "deepspeed"), output_folder=str(tmp), num_extract_workers=1,
-                num_merge_workers=1, keep_temp_folder=False, strict=True, inject_missing_state=True))
+                input_folder=str(folder / "deepspeed"), output_folder=str(tmp), num_extract_workers=4,
+                num_merge_workers=2, keep_temp_folder=False, strict=True, inject_missing_state=True))
             os.replace(tmp, out)
+        # the others wait for the folder outside any collective: a large conversion may outlast the collective
+        # timeout
+        while not out.is_dir():
+            time.sleep(1)
         self.barrier()
         self._engine._config.load_universal_checkpoint = True  # read at load time (the flag is a config entry)
         return "deepspeed_universal"

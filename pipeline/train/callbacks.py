@@ -35,11 +35,11 @@ class ConsoleLogger(Callback):
 
     def __init__(self, log_interval: int, stream=None):
         self.log_interval, self._stream = log_interval, stream
+        self._file = None
 
     @property
     def stream(self):
         return self._stream or sys.stdout  # looked up when printing: sys.stdout may be replaced after import
-        self._file = None
 
     def on_train_start(self, trainer) -> None:
         self._file = open(trainer.run_dir / "metrics.jsonl", "a")

@@ -54,6 +54,8 @@ def publish(ckpt_root: Path, step: int, recipe_yaml: str, keep: int) -> Path:
     _fsync_dir(ckpt_root)
     for old in list_checkpoints(ckpt_root)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
+    for stale in ckpt_root.glob(".tmp_step_*"):  # saves a kill interrupted: never loadable, only taking space
+        shutil.rmtree(stale, ignore_errors=True)
     return final
 
 

@@ -46,7 +46,7 @@ def _check_materialized(model: nn.Module, n_unique_before: int) -> None:
     buffers = [name for name, _ in model.named_buffers()]
     if buffers:
         raise RuntimeError(f"buffers {buffers} are uninitialised after to_empty; recompute them in the model's "
-                           f"init_weights (or make them non-buffer attributes)")
+                           f"init_weights after materialisation")
     n_unique = len(list(model.parameters()))
     if n_unique != n_unique_before:
         raise RuntimeError(f"materialisation untied parameters ({n_unique_before} unique before, {n_unique} after): "

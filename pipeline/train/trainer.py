@@ -274,11 +274,11 @@ class Trainer:
 
     def fit(self) -> dict:
         tc = self.cfg.train
-        for cb in self.callbacks:
-            cb.on_train_start(self)
         status, last_eval = "FAILED", None
         previous = signal.signal(signal.SIGTERM, self._on_sigterm)
         try:
+            for cb in self.callbacks:  # inside the try: a callback that fails still closes the tracker and the group
+                cb.on_train_start(self)
             self.model.train()
             while self.step < tc.max_steps:
                 metrics = self.train_step()
@@ -322,6 +322,13 @@ class Trainer:
             raise
         finally:
             signal.signal(signal.SIGTERM, previous)
+            if self._pending_save is not None and self._pending_save[0] is not None:
+                # an async save still writing when training failed: let its thread finish before the process groups
+                # it uses are destroyed (it stays unpublished: the other ranks may not have reached it)
+                try:
+                    self._pending_save[0].result()
+                except Exception:  # noqa: BLE001 — the error that brought us here is the one to report
+                    pass
             for cb in self.callbacks:
                 cb.on_train_end(self, status)
             if self.tracker is not None:
