@@ -91,3 +91,18 @@ def step_losses(run_dir: Path) -> dict[int, float]:
         if "loss" in row:
             out[row["step"]] = row["loss"]
     return out
+
+
+def launched_recipe(tmp: Path, **train) -> Path:
+    """A tiny recipe for runs launched as subprocesses (torchrun, grt launch): its corpus tokenized, written to
+    tmp/recipe.yaml with these ``train`` settings over 2-sample micro-batches logged every step."""
+    import yaml
+
+    recipe = tiny_recipe(tmp, make_corpus(tmp / "corpus", n_docs=90))
+    recipe["train"].update(micro_batch_size=2, log_interval=1, **train)
+    path = tmp / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    from pipeline.tokenize import tokenize
+
+    tokenize(from_dict(recipe).data, quiet=True)
+    return path

@@ -16,12 +16,9 @@ import time
 from pathlib import Path
 
 import pytest
-import yaml
 
-from pipeline.config import from_dict
-from pipeline.tokenize import tokenize
 
-from conftest import make_corpus, step_losses, subprocess_env, tiny_recipe
+from conftest import launched_recipe, step_losses, subprocess_env
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS, CKPT_EVERY, KILL_AFTER = 20, 8, 11  # kill once step 11 is logged: 3 steps past the checkpoint at 8
@@ -41,13 +38,8 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("dist")
-    corpus = make_corpus(tmp / "corpus", n_docs=90)
-    recipe = tiny_recipe(tmp, corpus)
-    recipe["train"].update(max_steps=STEPS, checkpoint_interval=CKPT_EVERY, eval_interval=10, grad_accum_steps=4,
-                           micro_batch_size=2, log_interval=1, collective_timeout_s=30)
-    path = tmp / "recipe.yaml"
-    path.write_text(yaml.safe_dump(recipe))
-    tokenize(from_dict(recipe).data, quiet=True)
+    path = launched_recipe(tmp, max_steps=STEPS, checkpoint_interval=CKPT_EVERY, eval_interval=10, grad_accum_steps=4,
+                           collective_timeout_s=30)
     return tmp, path
 
 

@@ -30,10 +30,9 @@ import yaml
 from launch import render
 from launch.plan import PORT_BASE, PORT_SPAN, PlanError, job_port, make_plan
 from pipeline.cli import main
-from pipeline.config import from_dict, load_recipe
-from pipeline.tokenize import tokenize
+from pipeline.config import load_recipe
 
-from conftest import make_corpus, step_losses, subprocess_env, tiny_recipe
+from conftest import launched_recipe, step_losses, subprocess_env, tiny_recipe
 
 REPO = Path(__file__).resolve().parents[1]
 GOLDEN = Path(__file__).parent / "golden" / "launch"
@@ -371,13 +370,8 @@ def test_sbatch_trap_forwards_term_and_requeues_only_a_running_job(tmp_path, sta
 @pytest.fixture(scope="module")
 def nodes(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("launch")
-    corpus = make_corpus(tmp / "corpus", n_docs=90)
-    recipe = tiny_recipe(tmp, corpus)
-    recipe["train"].update(max_steps=STEPS, checkpoint_interval=1000, eval_interval=1000, grad_accum_steps=4,
-                           micro_batch_size=2, log_interval=1, collective_timeout_s=60)
-    path = tmp / "recipe.yaml"
-    path.write_text(yaml.safe_dump(recipe))
-    tokenize(from_dict(recipe).data, quiet=True)
+    path = launched_recipe(tmp, max_steps=STEPS, checkpoint_interval=1000, eval_interval=1000, grad_accum_steps=4,
+                           collective_timeout_s=60)
     runs, timings = tmp / "runs", {}
 
     t0 = time.time()  # the reference: one node, two processes

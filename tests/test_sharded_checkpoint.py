@@ -18,12 +18,8 @@ from pathlib import Path
 
 import pytest
 import torch
-import yaml
 
-from pipeline.config import from_dict
-from pipeline.tokenize import tokenize
-
-from conftest import make_corpus, step_losses, subprocess_env, tiny_recipe
+from conftest import launched_recipe, step_losses, subprocess_env
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS, CKPT_EVERY, KILL_AFTER = 12, 4, 6  # killed once step 6 is logged: 2 steps past the checkpoint at 4
@@ -55,14 +51,9 @@ def checkpoint_rows(run_dir: Path) -> list[dict]:
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("sharded")
-    corpus = make_corpus(tmp / "corpus", n_docs=90)
-    recipe = tiny_recipe(tmp, corpus)
     # 6 micro-batches per step: divisible by 1, 2 and 3 ranks
-    recipe["train"].update(max_steps=STEPS, checkpoint_interval=CKPT_EVERY, eval_interval=6, grad_accum_steps=6,
-                           micro_batch_size=2, log_interval=1, collective_timeout_s=60)
-    path = tmp / "recipe.yaml"
-    path.write_text(yaml.safe_dump(recipe))
-    tokenize(from_dict(recipe).data, quiet=True)
+    path = launched_recipe(tmp, max_steps=STEPS, checkpoint_interval=CKPT_EVERY, eval_interval=6, grad_accum_steps=6,
+                           collective_timeout_s=60)
     return tmp, path
 
 
