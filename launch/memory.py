@@ -65,17 +65,18 @@ def count_params(model_cfg) -> ParamCounts:
     import torch.nn as nn
 
     from pipeline.model import build_model
+    from pipeline.model import count_params as unique_params
+    from pipeline.train.parallelize import blocks_of
 
     model = build_model(model_cfg, device="meta")
-    uniq = {id(p): p for p in model.parameters()}
 
     def n(module) -> int:
-        return sum(p.numel() for p in {id(p): p for p in module.parameters()}.values())
+        return unique_params(module)["params"]
 
     matmul = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear) and m is not model.lm_head)
-    embed = n(model.embed) + n(model.ln_f)
-    blocks = list(model.recur.blocks) if hasattr(model, "recur") else list(model.blocks)
-    return ParamCounts(total=sum(p.numel() for p in uniq.values()), matmul=matmul, embed=embed, block=n(blocks[0]),
+    roles = blocks_of(model)
+    return ParamCounts(total=n(model), matmul=matmul, embed=n(model.embed) + n(model.ln_f),
+                       block=n((roles.get("core") or roles["layers"])[0]),
                        step=n(model.recur) if hasattr(model, "recur") else 0, vocab=model_cfg.vocab_size,
                        d_model=model_cfg.d_model)
 

@@ -203,11 +203,11 @@ def _check_data(cfg, tokens_per_step: int, rep: Report) -> None:
             ok = False
         size = sum(sh["tokens"] * _itemsize(manifest) for info in manifest["splits"].values()
                    for sh in info["shards"])
-        if size <= FULL_VERIFY_LIMIT:
-            bad, how = verify_dataset(d), "every shard's sha256, size and index rechecked"
-        else:
-            bad, how = _sizes_only(Path(d), manifest), (f"sizes checked against the manifest ({gb(size)}: sha256 "
-                                                        f"not rechecked, run `grt data verify {d}`)")
+        full = size <= FULL_VERIFY_LIMIT
+        bad = verify_dataset(d, checksums=full)
+        how = ("every shard's sha256, size and index rechecked" if full else
+               f"sizes and indexes checked against the manifest ({gb(size)}: sha256 not rechecked, run "
+               f"`grt data verify {d}`)")
         for b in bad:
             rep.problems.append(f"data: {d}: {b}; re-tokenize it (grt tokenize RECIPE --force) or restore the file")
             ok = False
@@ -226,19 +226,6 @@ def _itemsize(manifest: dict) -> int:
     import numpy as np
 
     return np.dtype(manifest["dtype"]).itemsize
-
-
-def _sizes_only(d: Path, manifest: dict) -> list[str]:
-    bad, item = [], _itemsize(manifest)
-    for split, info in manifest["splits"].items():
-        for sh in info["shards"]:
-            f = d / sh["file"]
-            if not f.is_file() or not (d / sh["index_file"]).is_file():
-                bad.append(f"{split}: {sh['file']} or its index is missing")
-            elif f.stat().st_size != sh["tokens"] * item:
-                bad.append(f"{split}: {sh['file']} is {f.stat().st_size} bytes, manifest says "
-                           f"{sh['tokens'] * item}")
-    return bad
 
 
 # ------------------------------------------------------------------------------------------------ tracking

@@ -227,7 +227,7 @@ class TrainConfig:
             p.append("train.checkpoint_format=full with train.backend=deepspeed: DeepSpeed writes its own sharded "
                      "format; use checkpoint_format auto or sharded, and `grt checkpoint convert RUN --to full` for "
                      "one file")
-        if self.async_checkpoint and (self.backend == "deepspeed" or self.resolved_checkpoint_format() != "sharded"):
+        if self.async_checkpoint and self.resolved_checkpoint_format() != "sharded":
             p.append(f"train.async_checkpoint=true needs sharded torch checkpoints (backend single, ddp or fsdp with "
                      f"checkpoint_format sharded), got backend={self.backend}, checkpoint_format="
                      f"{self.checkpoint_format}; set train.checkpoint_format=sharded or async_checkpoint=false")
@@ -242,10 +242,12 @@ class TrainConfig:
         return p
 
     def resolved_checkpoint_format(self) -> str:
-        """full | sharded (deepspeed: its own sharded format)."""
+        """What a checkpoint of this run is written as: full | sharded | deepspeed (DeepSpeed's own format)."""
+        if self.backend == "deepspeed":
+            return "deepspeed"
         if self.checkpoint_format != "auto":
             return self.checkpoint_format
-        return "sharded" if self.backend in ("fsdp", "deepspeed") else "full"
+        return "sharded" if self.backend == "fsdp" else "full"
 
 
 # Downstream tasks with local task configs (pipeline/eval/tasks/), named as in lm-eval.

@@ -136,17 +136,23 @@ class SingleProcess:
             self._write_state(folder, {**state, "checkpoint_format": "full", "model": msd, "optimizer": osd})
             return None
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict
 
         self._write_state(folder, {**state, "checkpoint_format": "sharded"})
-        msd, osd = get_state_dict(self.unwrap(model), optimizer)
-        shards = {"model": msd, "optimizer": osd}
-        where = dict(checkpoint_id=str(folder / SHARDS_DIR), process_group=self.checkpoint_group(),
-                     no_dist=not dist.is_initialized())
+        shards, where = self._shards(model, optimizer, folder)
         if self.cfg.async_checkpoint:
             return dcp.async_save(shards, **where)
         dcp.save(shards, **where)
         return None
+
+    def _shards(self, model, optimizer, folder: Path) -> tuple[dict, dict]:
+        """The model + optimizer state dict as this rank holds it (sharded under FSDP, whole otherwise) and where DCP
+        reads or writes it."""
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        msd, osd = get_state_dict(self.unwrap(model), optimizer)
+        return {"model": msd, "optimizer": osd}, dict(checkpoint_id=str(folder / SHARDS_DIR),
+                                                       process_group=self.checkpoint_group(),
+                                                       no_dist=not dist.is_initialized())
 
     def _write_state(self, folder: Path, state: dict) -> None:
         if self.is_main:
@@ -156,7 +162,7 @@ class SingleProcess:
                 os.fsync(f.fileno())
 
     def load_model_optimizer(self, model, optimizer, folder: Path, state: dict) -> None:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
         fmt = checkpoint_format_of(folder, state)
         if fmt == "deepspeed":
@@ -172,11 +178,8 @@ class SingleProcess:
             return
         import torch.distributed.checkpoint as dcp
 
-        # the shapes this rank holds now (sharded under FSDP, whole otherwise): DCP reads the matching pieces
-        msd, osd = get_state_dict(self.unwrap(model), optimizer)
-        shards = {"model": msd, "optimizer": osd}
-        dcp.load(shards, checkpoint_id=str(folder / SHARDS_DIR), process_group=self.checkpoint_group(),
-                 no_dist=not dist.is_initialized())
+        shards, where = self._shards(model, optimizer, folder)
+        dcp.load(shards, **where)  # the pieces this rank holds now, whatever the world size that wrote them
         set_state_dict(self.unwrap(model), optimizer, model_state_dict=shards["model"],
                        optim_state_dict=shards["optimizer"])
 

@@ -115,7 +115,6 @@ class Trainer:
         self.tracker_run_id = None
         self._stop_requested = False
         self._pending_save = None  # (future or None, step, start time, PeakRSS or None) of the save in flight
-        self.checkpoint_format = "deepspeed" if tc.backend == "deepspeed" else tc.resolved_checkpoint_format()
         self._resume()
         if self.backend.is_main:
             (self.run_dir / "recipe.yaml").write_text(cfg.to_yaml())
@@ -191,7 +190,8 @@ class Trainer:
         if self.backend.is_main:
             path = publish(self.ckpt_dir, step, self.cfg.to_yaml(), self.cfg.train.keep_checkpoints)
         self.backend.barrier()
-        info = {"checkpoint": step, "format": self.checkpoint_format, "checkpoint_s": time.perf_counter() - t0}
+        info = {"checkpoint": step, "format": self.cfg.train.resolved_checkpoint_format(),
+                "checkpoint_s": time.perf_counter() - t0}
         if rss is not None:
             info.update(rss.measure())
         for cb in self.callbacks:
