@@ -4,9 +4,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 
 from pipeline.config import RecipeError, TrackingConfig, load_recipe
+from pipeline.exits import FAILED, USAGE, TrainingStopped, stopped_status
 
 OVERRIDES_HELP = "recipe overrides key.sub=value (e.g. train.max_steps=100 model.n_recurrence=6)"
 
@@ -57,7 +59,7 @@ def cmd_data_verify(args) -> int:
             print(f"  - {p}", file=sys.stderr)
         return 1
     print(f"{args.dataset}: OK — {n} shards and their document indexes match the manifest "
-          f"({sum(s['tokens'] for s in m['splits'].values()):,} tokens, sha256 checked)")
+          f"({sum(s['tokens'] for s in m['splits'].values()):,} tokens, sha256 and token ids checked)")
     return 0
 
 
@@ -104,9 +106,17 @@ def cmd_run(args) -> int:
     from pipeline.tokenize import tokenize
     from pipeline.train.trainer import train
 
+    from pipeline.eval.stage import check_inputs
+
     cfg = _recipe(args)
-    tokenize(cfg.data)
-    train(cfg)
+    check_inputs(cfg, cfg.run_dir / "eval")  # what eval will need, before anything trains
+    if int(os.environ.get("RANK", "0")) == 0:
+        tokenize(cfg.data)
+    else:  # under torchrun: rank 0 tokenizes (a failure there ends the job); the others wait for its dataset
+        from pipeline.tokenize.stage import wait_for_dataset
+
+        wait_for_dataset(cfg.data)
+    train(cfg)  # a pre-empted or interrupted run stops here (TrainingStopped: exit 143 / 130), never evaluated
     evaluate(cfg.run_dir)
     return 0
 
@@ -155,7 +165,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--workers", type=int, default=None, help="tokenizer processes (default: data.workers or CPUs)")
     data = sub.add_parser("data", help="inspect tokenized datasets").add_subparsers(dest="data_command",
                                                                                     required=True)
-    s = data.add_parser("verify", help="recheck every shard's checksum and index against the manifest")
+    s = data.add_parser("verify", help="recheck every shard's checksum, token ids and index against the manifest")
     s.add_argument("dataset", help="dataset folder (data.dataset_dir)")
     s.set_defaults(fn=cmd_data_verify)
     s = data.add_parser("stats", help="print the manifest's numbers")
@@ -202,12 +212,20 @@ def main(argv: list[str] | None = None) -> int:
         return args.fn(args)
     except RecipeError as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
-    except (FileNotFoundError, FileExistsError, PermissionError, LookupError, ValueError, FloatingPointError) as e:
+        return USAGE
+    except TrainingStopped as e:  # saved and stopped on a signal: not finished (see pipeline/exits.py)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a further Ctrl-C while exiting changes nothing now
+        if e.report:
+            print(str(e), file=sys.stderr, flush=True)
+        return e.exit_status
+    except KeyboardInterrupt:  # Ctrl-C outside training, or a second one during it
+        print("interrupted (Ctrl-C)", file=sys.stderr)
+        return stopped_status(signal.SIGINT)
+    except (OSError, LookupError, ValueError, FloatingPointError) as e:
         if os.environ.get("GRT_DEBUG"):
             raise
         print(f"error: {e}  (GRT_DEBUG=1 shows the traceback)", file=sys.stderr)
-        return 1
+        return FAILED
 
 
 if __name__ == "__main__":

@@ -10,22 +10,16 @@ import dataclasses
 import difflib
 import hashlib
 import json
+import math
 import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-
-
-class RecipeError(ValueError):
-    """Every problem found in a recipe, one per line."""
-
-    def __init__(self, problems: list[str], source: str = "recipe"):
-        self.problems = problems
-        head = f"{source}: {len(problems)} problem{'s' if len(problems) != 1 else ''}"
-        super().__init__(head + "\n" + "\n".join(f"  - {p}" for p in problems))
-
+# the recipe files' side (YAML, base: chains, overrides, folders a file blocks), re-exported: one import for callers
+from pipeline.recipe_files import (RecipeError, apply_overrides, deep_merge, file_in_the_way,  # noqa: F401
+                                   folder_problem, load_yaml_with_bases)
 
 # ----------------------------------------------------------------------------------------------------------- schema
 # Model sections are chosen by `model.type` through the model registry (pipeline/model/registry.py), so a new
@@ -45,10 +39,9 @@ class ModelConfig:
     bias: bool = True
 
     def validate(self) -> list[str]:
-        p = []
-        if self.d_model % self.n_head:
+        p = _at_least(self, "model", ("vocab_size", "block_size", "d_model", "n_head"), 1)
+        if self.n_head >= 1 and self.d_model % self.n_head:  # n_head < 1 is reported above
             p.append(f"model.d_model={self.d_model} is not divisible by model.n_head={self.n_head}")
-        p += _at_least(self, "model", ("vocab_size", "block_size", "d_model", "n_head"), 1)
         if not 0.0 <= self.dropout < 1.0:
             p.append(f"model.dropout must be in [0, 1), got {self.dropout}")
         return p
@@ -148,6 +141,9 @@ class DataConfig:
     workers: Optional[int] = None  # tokenizer processes (default: CPU count); the output does not depend on it
     # Training on several tokenized datasets: sampled in proportion to weight. Empty: train on dataset_dir alone.
     mixture: list[MixtureEntry] = field(default_factory=list)
+    # What training checks of its datasets before step 1: size (every shard's length against the manifest: cheap) |
+    # full (also every shard's sha256 and every token id below the vocabulary: reads all the data once)
+    verify: str = "size"
 
     def training_datasets(self) -> tuple[list[str], list[float]]:
         """The datasets training samples from, with weights: ``mixture`` or ``dataset_dir`` alone. The first one's
@@ -165,6 +161,7 @@ class DataConfig:
         for i, s in enumerate(self.validation_sources):
             p += s.validate(f"data.validation_sources[{i}]")
         p += _choice("data.tokenizer", self.tokenizer, ["gpt2"])
+        p += _choice("data.verify", self.verify, ["size", "full"])
         if self.shard_tokens < 1024:
             p.append(f"data.shard_tokens={self.shard_tokens} is too small (minimum 1024)")
         if not 0.0 < self.val_fraction < 1.0:
@@ -239,6 +236,12 @@ class TrainConfig:
             p.append(f"train.lr={self.lr} / train.min_lr={self.min_lr}: need 0 <= min_lr <= lr and lr > 0")
         if self.grad_clip < 0:
             p.append(f"train.grad_clip must be >= 0 (0 turns clipping off), got {self.grad_clip}")
+        if self.weight_decay < 0:
+            p.append(f"train.weight_decay must be >= 0, got {self.weight_decay}")
+        p += [f"train.{n} must be in [0, 1), got {getattr(self, n)}" for n in ("beta1", "beta2")
+              if not 0.0 <= getattr(self, n) < 1.0]
+        if self.threads is not None and self.threads < 1:
+            p.append(f"train.threads must be >= 1 (or null: torch's choice), got {self.threads}")
         return p
 
     def resolved_checkpoint_format(self) -> str:
@@ -347,6 +350,13 @@ class RunConfig:
         p = []
         if not self.name or "/" in self.name:
             p.append(f"name={self.name!r} must be a non-empty folder name without '/'")
+        if not 0 <= self.seed < 2 ** 32:
+            p.append(f"seed must be in 0..{2 ** 32 - 1}, got {self.seed}")
+        n_layer = getattr(self.model, "n_layer", None)  # a dense model exits after one of its layers, no deeper
+        deepest = max([self.eval.max_steps or 0, *self.eval.task_depths])
+        if self.model.type == "gpt" and n_layer is not None and deepest > n_layer >= 1:
+            p.append(f"eval.max_steps / eval.task_depths go to {deepest}, past the dense model's model.n_layer="
+                     f"{n_layer}; a dense model exits after layer 1..{n_layer}")
         p += self.model.validate() + self.data.validate() + self.train.validate() + self.eval.validate()
         p += self.tracking.validate()
         return p
@@ -365,66 +375,6 @@ def _choice(key: str, value: str, allowed: list[str]) -> list[str]:
 
 
 # ------------------------------------------------------------------------------------------------ YAML -> objects
-
-
-def load_yaml_with_bases(path: str | Path, _seen: tuple = ()) -> dict:
-    import yaml  # imported where used: the model code imports this module on machines without PyYAML (gpu-check)
-
-    """Read a recipe file, resolving ``base:`` chains (relative to the file that names them)."""
-    path = Path(path).resolve()
-    if path in _seen:
-        raise RecipeError([f"base: cycle {' -> '.join(str(s) for s in (*_seen, path))}"], str(path))
-    if not path.is_file():
-        raise RecipeError([f"recipe file not found: {path}"], str(path))
-    try:
-        data = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as e:
-        raise RecipeError([f"YAML syntax error: {e}"], str(path)) from None
-    if not isinstance(data, dict):
-        raise RecipeError(["the top level must be a mapping of sections (model:, train:, ...)"], str(path))
-    base = data.pop("base", None)
-    if base is None:
-        return data
-    bases = base if isinstance(base, list) else [base]
-    merged: dict = {}
-    for b in bases:
-        merged = deep_merge(merged, load_yaml_with_bases(path.parent / b, (*_seen, path)))
-    return deep_merge(merged, data)
-
-
-def deep_merge(a: dict, b: dict) -> dict:
-    out = dict(a)
-    for k, v in b.items():
-        if isinstance(v, dict) and isinstance(out.get(k), dict):
-            out[k] = deep_merge(out[k], v)
-        else:
-            out[k] = v
-    return out
-
-
-def apply_overrides(data: dict, overrides: list[str]) -> tuple[dict, list[str]]:
-    """Apply ``a.b.c=value`` (value parsed as YAML). Returns the new dict and syntax problems."""
-    import yaml
-
-    problems = []
-    data = json.loads(json.dumps(data))  # deep copy of plain data
-    for ov in overrides:
-        if "=" not in ov:
-            problems.append(f"override {ov!r} is not of the form key.sub=value")
-            continue
-        key, raw = ov.split("=", 1)
-        try:
-            value = yaml.safe_load(raw) if raw != "" else ""
-        except yaml.YAMLError:
-            value = raw
-        node = data
-        parts = key.strip().split(".")
-        for part in parts[:-1]:
-            if not isinstance(node.get(part), dict):
-                node[part] = {}
-            node = node[part]
-        node[parts[-1]] = value
-    return data, problems
 
 
 def _model_classes() -> dict[str, type]:
@@ -496,12 +446,14 @@ def _coerce(tp: Any, value: Any, where: str, problems: list[str]) -> Any:
     if tp is float:
         if isinstance(value, str):  # YAML 1.1 reads 1e-3 (no dot) as a string
             try:
-                return float(value)
+                value = float(value)
             except ValueError:
                 pass
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             problems.append(f"{where} must be a number, got {value!r}")
             return 0.0
+        if not math.isfinite(value):  # every float key: a NaN or infinity passes every range check below
+            problems.append(f"{where} must be a finite number, got {value!r}")
         return float(value)
     if tp is str:
         if not isinstance(value, str):
@@ -535,7 +487,7 @@ def load_recipe(path: str | Path, overrides: list[str] | None = None,
     recipe = load_yaml_with_bases(path)
     source = str(path)
     if data is not None:
-        section = load_yaml_with_bases(data)
+        section = load_yaml_with_bases(data, example="recipes/data/openwebtext.yaml")
         extra = sorted(k for k in section if k != "data")
         problems = [f"found '{k}': a data recipe holds only a 'data:' section (and 'base:'); move '{k}' to the "
                     f"recipe or set it with a command-line override" for k in extra]
@@ -549,7 +501,25 @@ def load_recipe(path: str | Path, overrides: list[str] | None = None,
     recipe, problems = apply_overrides(recipe, list(overrides or []))
     if problems:
         raise RecipeError(problems, source)
-    return from_dict(recipe, source)
+    cfg = from_dict(recipe, source)
+    problems = path_problems(cfg)
+    if problems:
+        raise RecipeError(problems, source)
+    return cfg
+
+
+def path_problems(cfg: RunConfig) -> list[str]:
+    """The recipe's folders that a file blocks, one line each."""
+    folders = [("out_dir", cfg.out_dir), ("out_dir/name", cfg.run_dir), ("data.dataset_dir", cfg.data.dataset_dir)]
+    folders += [(f"data.mixture[{i}].dataset_dir", m.dataset_dir) for i, m in enumerate(cfg.data.mixture)]
+    if cfg.eval.task_data_dir:
+        folders.append(("eval.task_data_dir", cfg.eval.task_data_dir))
+    if cfg.tracking.uri.startswith("sqlite:///"):  # the MLflow database file's folder
+        folders.append(("tracking.uri", Path(cfg.tracking.uri[len("sqlite:///"):]).parent, cfg.tracking.uri))
+    problems = [p for key, path, *value in folders if (p := folder_problem(key, path, *value))]
+    if len(problems) > 1 and problems[0].startswith("out_dir=") and problems[1].startswith("out_dir/name="):
+        del problems[1]  # the same file in the way
+    return problems
 
 
 def config_hash(obj: Any) -> str:

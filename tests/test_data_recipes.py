@@ -221,7 +221,7 @@ def test_data_recipe_with_other_sections_is_refused(tmp_path, capsys):
     assert "found 'model'" in e.value.problems[0] and "found 'train'" in e.value.problems[1]
     empty = tmp_path / "empty.yaml"
     empty.write_text("# nothing\n")
-    with pytest.raises(RecipeError, match="no 'data:' section"):
+    with pytest.raises(RecipeError, match="empty.yaml is empty .* recipes/data/openwebtext.yaml"):
         load_recipe(GRT_SMALL, data=empty)
     assert main(["info", str(GRT_SMALL), "--data", str(tmp_path / "missing.yaml")]) == 2
     assert "recipe file not found" in capsys.readouterr().err

@@ -274,6 +274,30 @@ def test_local_task_prompts_match_lm_evals_templates(tmp_path):
     assert all(len(t.eval_docs) == 6 for t in tasks.values())
 
 
+def test_task_input_check_lists_exactly_the_files_each_loader_reads(tmp_path):
+    """grt eval checks TASK_FILES before computing anything: each task's loader must work with those files alone,
+    and the check must name each one that is missing."""
+    import shutil
+
+    from pipeline.eval.downstream import TASK_FILES, check_task_inputs
+    from pipeline.eval.tasks import local_data as ld
+
+    full = make_task_data(tmp_path / "full")
+    assert sorted(str(p.relative_to(full)) for p in full.rglob("*") if p.is_file()) == \
+        sorted(f for files in TASK_FILES.values() for f in files)
+    for task, files in TASK_FILES.items():
+        only = tmp_path / task
+        for rel in files:
+            (only / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy(full / rel, only / rel)
+        assert check_task_inputs([task], str(only)) == only
+        loader = getattr(ld, "lambada" if task == "lambada_openai" else task)
+        assert len(next(iter(loader(data_dir=str(only)).values()))) == 6, task
+        (only / files[-1]).unlink()
+        with pytest.raises(FileNotFoundError, match=f"lacks 1 file\\(s\\) of eval.tasks \\({task}: {files[-1]}\\)"):
+            check_task_inputs([task], str(only))
+
+
 @pytest.mark.skipif(not (SHARED_DATA / "eval").is_dir(), reason="needs ../shared/data/eval")
 def test_local_task_files_give_the_published_item_counts():
     from pipeline.eval.tasks import local_data as ld

@@ -63,6 +63,26 @@ def _recipe_file(tmp_path: Path, data: dict) -> Path:
     return f
 
 
+def children_of(pid: int) -> list[int]:
+    """Live (not zombie) processes whose parent is ``pid``, from /proc."""
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()  # after "pid (comm)": state, ppid, ...
+        except OSError:
+            continue
+        if int(fields[1]) == pid and fields[0] != "Z":
+            out.append(int(stat.parent.name))
+    return out
+
+
+def alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 def test_sigkill_then_restart_is_byte_identical(tmp_path):
     data = {"sources": [{"kind": "stdlib", "max_bytes": 2_000_000}], "shard_tokens": 1024, "val_fraction": 0.05}
     ref = DataConfig(**{**data, "sources": [SourceConfig(**data["sources"][0])]}, dataset_dir=str(tmp_path / "ref"))
@@ -78,8 +98,14 @@ def test_sigkill_then_restart_is_byte_identical(tmp_path):
         if state.is_file() and json.loads(state.read_text())["snapshots"] >= 40:
             break
         time.sleep(0.01)
+    workers = children_of(proc.pid)
+    assert len(workers) == 2, workers
     proc.send_signal(signal.SIGKILL)
     proc.wait()
+    deadline = time.time() + 10  # the workers end with the job (parent-death signal), they are not left orphaned
+    while any(map(alive, workers)) and time.time() < deadline:
+        time.sleep(0.05)
+    assert not [w for w in workers if alive(w)], "tokenizer workers outlived the killed job"
     assert not (out / "manifest.json").exists(), "the job finished before it could be killed"
     assert not list(out.glob("*.tmp")) or True  # a temporary file may remain; never under a final name
     finished = [p.name for p in out.glob("*.bin")]

@@ -13,8 +13,9 @@ import json
 import os
 import tempfile
 from pathlib import Path
+from urllib.parse import unquote, urlparse
 
-from pipeline.config import TrackingConfig
+from pipeline.config import TrackingConfig, folder_problem
 from pipeline.eval.plots import plot_exit_curves
 from pipeline.tracking import resolve_uri
 
@@ -26,11 +27,44 @@ def _from_folder(path: Path) -> dict | None:
     return json.loads(f.read_text()) if f.is_file() else None
 
 
+def _is_path(run: str) -> bool:
+    """A RUN argument written as a path (runs/NAME, ./NAME, ~/NAME): it means a folder, never an MLflow name."""
+    return "/" in run or os.sep in run or run.startswith((".", "~"))
+
+
+def _missing_folder(run: str) -> str:
+    path = Path(run).expanduser()
+    if path.is_dir():
+        return f"{run} holds no eval/exits.json: evaluate it first with `grt eval {run}`"
+    parent = path.parent
+    evaluated = sorted(str(p) for p in parent.glob("*/eval/exits.json"))[:8] if parent.is_dir() else []
+    there = (f"; evaluated run folders in {parent}: {', '.join(str(Path(p).parent.parent) for p in evaluated)}"
+             if evaluated else f"; {parent} holds no evaluated run" if parent.is_dir() else
+             f" ({parent} does not exist either)")
+    return f"no run folder {run}{there}"
+
+
+def _local_store(uri: str) -> Path | None:
+    """The file or folder of an MLflow store on this machine (sqlite database, file store); None for a server."""
+    if uri.startswith("sqlite:///"):
+        return Path(uri[len("sqlite:///"):])
+    if uri.startswith("file:"):
+        return Path(unquote(urlparse(uri).path))
+    return None if "://" in uri else Path(uri)
+
+
 def _from_mlflow(tracking: TrackingConfig, names: list[str], experiments: list[str], tags: dict[str, str]) -> list:
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+    uri = resolve_uri(tracking.uri)
+    store = _local_store(uri)
+    if store is not None and not store.exists():  # opening it would create an empty store: reading writes nothing
+        asked = f"no run folder or MLflow run named {names}: " if names else ""
+        raise LookupError(f"{asked}no runs evaluated yet with tracking.uri={tracking.uri} ({store} does not exist); "
+                          f"`grt run RECIPE` (or `grt eval runs/NAME`) evaluates a run and logs it there, or pass "
+                          f"--tracking-uri / run folders")
     from mlflow.tracking import MlflowClient
 
-    client = MlflowClient(tracking_uri=resolve_uri(tracking.uri))
+    client = MlflowClient(tracking_uri=uri)
     ids = []
     for name in experiments:
         exp = client.get_experiment_by_name(name)
@@ -64,7 +98,9 @@ def collect(runs: list[str], tracking: TrackingConfig, experiments: list[str] | 
     experiments = experiments or [tracking.experiment]
     found, names = [], []
     for r in runs:
-        res = _from_folder(Path(r)) if Path(r).is_dir() else None
+        res = _from_folder(Path(r).expanduser()) if Path(r).expanduser().is_dir() else None
+        if res is None and _is_path(r):
+            raise FileNotFoundError(_missing_folder(r))
         (found.append(res) if res else names.append(r))
     if names or not runs:
         by_mlflow = _from_mlflow(tracking, names, experiments, tags or {})
@@ -167,6 +203,9 @@ def compare(runs: list[str], tracking: TrackingConfig, out: str | Path = "runs/c
                           + (f" with tags {tags}" if tags else "") + "; run `grt eval` first")
     text = format_results(results, fmt)
     out = Path(out)
+    problem = folder_problem("--out", out)
+    if problem:
+        raise NotADirectoryError(problem)
     out.mkdir(parents=True, exist_ok=True)
     plot = plot_exit_curves(results, out / "early_exit_overlay.png", title="Compared runs")
     ext = {"table": "txt", "markdown": "md", "csv": "csv", "json": "json"}[fmt]

@@ -11,6 +11,35 @@ import time
 from pathlib import Path
 
 TASKS_DIR = Path(__file__).parent / "tasks"
+# The files each local task reads from the task data folder (the loaders in tasks/local_data.py).
+TASK_FILES = {
+    "lambada_openai": ["lambada/original/lambada_test.jsonl"],
+    "hellaswag": ["hellaswag/klosax_llamacpp_format/hellaswag_val_full.txt.bz2"],
+    "arc_easy": ["arc_easy/mosaic_icl/arc_easy.jsonl"],
+    "arc_challenge": ["arc_challenge/mosaic_icl/arc_challenge.jsonl"],
+    "piqa": ["piqa/original/valid.jsonl", "piqa/original/valid-labels.lst"],
+    "boolq": ["boolq/hf_olmo/validation.jsonl"],
+    "winogrande": ["winogrande/hf_olmo/validation.jsonl"],
+}
+
+
+def check_task_inputs(tasks: list[str], data_dir: str | None) -> Path:
+    """Before any scoring: lm-eval imports, the task data folder is found and holds every file of ``tasks``. Returns
+    the folder; raises naming what is missing and how to provide it."""
+    try:
+        import lm_eval  # noqa: F401
+    except ImportError as e:
+        raise LookupError(f"eval.tasks={tasks} needs lm-eval, which does not import here ({e}); reinstall the "
+                          f"package (make setup)") from None
+    from pipeline.eval.tasks.local_data import resolve_data_dir
+
+    root = resolve_data_dir(data_dir)  # FileNotFoundError naming eval.task_data_dir / GRT_EVAL_DATA when absent
+    missing = [f"{t}: {rel}" for t in tasks for rel in TASK_FILES.get(t, []) if not (root / rel).is_file()]
+    if missing:
+        raise FileNotFoundError(f"the task data folder {root} lacks {len(missing)} file(s) of eval.tasks "
+                                f"({'; '.join(missing)}); copy them there (layout of shared/data/eval) or drop "
+                                f"those tasks")
+    return root
 
 
 def run_tasks(model, cfg, tasks: list[str], depths: list[int], batch_size: int, data_dir: str | None = None,

@@ -8,25 +8,68 @@ from pathlib import Path
 
 import torch
 
-from pipeline.config import apply_overrides, from_dict
+from pipeline.config import (RecipeError, RunConfig, apply_overrides, file_in_the_way, folder_problem,
+                             from_dict)
 from pipeline.model import build_model, model_class, model_info
 from pipeline.tracking import open_tracker
 from pipeline.train.backend import pick_device
 from pipeline.train.checkpoint import full_model_state, load_checkpoint, resolve_checkpoint
-from pipeline.train.data import TokenShards, validation_batches
+from pipeline.train.data import TokenShards, check_shards, validation_batches, window_problems
+from pipeline.train.trainer import check_dataset_matches_model
 from pipeline.eval.dynamics import anchor_ablation, band_losses, decile_losses, gate_heatmaps, step_statistics
 from pipeline.eval.exits import exit_curve, exit_flops
 from pipeline.eval.plots import plot_diagnostics, plot_exit_curves, plot_gate_heatmaps
 
 
+# What an override may change in a trained checkpoint's recipe: how it is evaluated, where that is logged, the device
+# it runs on, where its tokenized dataset now lies (checked against the model's tokenizer). Every other key describes
+# the trained model or how it was trained (eval reports tokens_trained from train.*), so changing it would evaluate
+# something else or mislabel the result.
+EVAL_KEYS = ("eval.", "tracking.", "train.device", "data.dataset_dir", "data.mixture")
+
+
+def eval_recipe(recipe: dict, overrides: list[str], source: str) -> RunConfig:
+    """The checkpoint's recipe with ``overrides`` applied; :class:`RecipeError` (exit 2) naming every override that
+    would change anything but :data:`EVAL_KEYS`, with the checkpoint's value."""
+    trained = from_dict(recipe, source).flat()
+    refused = []
+    for ov in overrides:
+        key, sep, raw = ov.partition("=")
+        key = key.strip()
+        if not sep or key.startswith(EVAL_KEYS):
+            continue
+        try:  # harmless when it leaves the whole recipe as it was (e.g. the value the checkpoint has)
+            if from_dict(apply_overrides(recipe, [ov])[0], source).flat() == trained:
+                continue
+        except RecipeError:
+            pass
+        if key in trained:
+            refused.append(f"{key}={raw}: the checkpoint was trained with {key}={trained[key]!r}")
+        elif any(k.startswith(key + ".") for k in trained):  # a whole section, e.g. model={...}
+            refused.append(f"{key}={raw}: not the {key} section the checkpoint was trained with")
+        else:
+            refused.append(f"{key}={raw}: the checkpoint's recipe has no {key}")
+    if refused:
+        raise RecipeError(refused, f"{source} (a trained checkpoint takes only eval.*, tracking.*, train.device and "
+                                   f"data.dataset_dir / data.mixture overrides; to change the model or its training, "
+                                   f"train a new run)")
+    data, problems = apply_overrides(recipe, overrides)
+    if problems:
+        raise RecipeError(problems, source)
+    return from_dict(data, source)
+
+
 def load_trained(path: str | Path, overrides: list[str] | None = None, device: str = "auto"):
-    """(model in eval mode, recipe, checkpoint state) from a run folder or checkpoint."""
+    """(model in eval mode, recipe, checkpoint state, checkpoint file) from a run folder or checkpoint;
+    ``train.device=...`` among the overrides picks the device."""
     ckpt = resolve_checkpoint(path)
     state = load_checkpoint(ckpt)
-    data, problems = apply_overrides(state["recipe"], list(overrides or []))
-    cfg = from_dict(data, f"{ckpt} recipe")
-    if problems:
-        raise ValueError("; ".join(problems))
+    overrides = list(overrides or [])
+    cfg = eval_recipe(state["recipe"], overrides, f"grt eval {path}")
+    if any(ov.split("=", 1)[0].strip() == "train.device" for ov in overrides):
+        device = cfg.train.device
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("train.device=cuda but torch sees no CUDA device here; evaluate with train.device=cpu")
     dev = pick_device(device)
     model = build_model(cfg.model)
     model.load_state_dict(full_model_state(ckpt, state))
@@ -54,9 +97,17 @@ def evaluate(path: str | Path, overrides: list[str] | None = None, quiet: bool =
     n_max = ev.max_steps or (2 * trained_depth if recurrent else cfg.model.n_layer)
     exits = list(range(0 if recurrent else 1, n_max + 1))
     val = TokenShards(cfg.data.training_datasets()[0][0], "val")
+    check_dataset_matches_model(val.manifest, cfg, f"the dataset at {val.dir}")
+    problems = check_shards(val, cfg.model.vocab_size) + window_problems(val, cfg.model.block_size,
+                                                                         "tokenize more validation text")
+    if problems:
+        raise ValueError(" | ".join(problems))
+    out_dir = run_dir_of(ckpt) / "eval"
+    baseline = check_inputs(cfg, out_dir)  # everything that could fail after the curves, before computing them
 
     def batches():
-        return validation_batches(val, cfg.model.block_size, ev.batch_size, max_tokens=ev.val_tokens)
+        return validation_batches(val, cfg.model.block_size, ev.batch_size, max_tokens=ev.val_tokens,
+                                  vocab_size=cfg.model.vocab_size)
 
     curve = exit_curve(model, batches(), exits, ref, device, keep_tokens=ev.diagnostics)
     shown = [i for i, e in enumerate(curve["exit"]) if e >= 1]  # r = 0 is reported apart, as loss_r0
@@ -85,13 +136,8 @@ def evaluate(path: str | Path, overrides: list[str] | None = None, quiet: bool =
         result["downstream"] = run_tasks(model, cfg, list(ev.tasks), depths, ev.task_batch_size, ev.task_data_dir,
                                          ev.task_limit, quiet=quiet)
 
-    out_dir = run_dir_of(ckpt) / "eval"
     out_dir.mkdir(parents=True, exist_ok=True)
-    overlay = [result]
-    if ev.baseline:
-        from pipeline.eval.compare import collect
-
-        overlay += [r for r in collect([ev.baseline], cfg.tracking) if r["name"] != cfg.name]
+    overlay = [result] + [r for r in baseline if r["name"] != cfg.name]
     plots = [plot_exit_curves(overlay, out_dir / "early_exit.png", title=f"{cfg.name} ({info['shorthand']})")]
     if ev.diagnostics:
         plots.append(plot_diagnostics(result, out_dir / "diagnostics.png"))
@@ -107,6 +153,30 @@ def evaluate(path: str | Path, overrides: list[str] | None = None, quiet: bool =
     if not quiet:
         print_report(result)
     return result
+
+
+def check_inputs(cfg: RunConfig, out_dir: Path) -> list[dict]:
+    """Raise now, naming the input, for what would otherwise fail only after the exit curves and diagnostics were
+    computed: the output folder, the downstream tasks' data and lm-eval, the baseline run. Returns the baseline's
+    results (empty without one)."""
+    blocker = file_in_the_way(out_dir)
+    if blocker is not None:
+        raise NotADirectoryError(f"{blocker} is a file, not a folder, so the results cannot be written to {out_dir}; "
+                                 f"move {blocker} away")
+    uri = cfg.tracking.uri
+    if cfg.tracking.enabled and uri.startswith("sqlite:///"):
+        problem = folder_problem("tracking.uri", Path(uri[len("sqlite:///"):]).parent, uri)
+        if problem:
+            raise NotADirectoryError(problem)
+    if cfg.eval.tasks:
+        from pipeline.eval.downstream import check_task_inputs
+
+        check_task_inputs(list(cfg.eval.tasks), cfg.eval.task_data_dir)
+    if cfg.eval.baseline:
+        from pipeline.eval.compare import collect
+
+        return collect([cfg.eval.baseline], cfg.tracking)
+    return []
 
 
 def diagnostics(model, cfg, curve: dict, batches, n_max: int, ref: int, device) -> dict:

@@ -5,6 +5,9 @@ in submission order, so deduplication, the split and the shard contents are the 
 At most ``2N + 2`` batches are in flight, which bounds memory whatever the input size. Each time a shard is
 completed, the job's state (input position, counters, the open shards, new dedup hashes) is saved under
 ``DATASET/.progress``; a killed job started again continues from there and writes byte-identical output.
+
+A job holds the dataset folder's lock (``DATASET/.lock``, :mod:`pipeline.locking`) from before it reads or deletes
+anything there until the manifest is written: a second job on the same folder fails at once naming the holder.
 """
 from __future__ import annotations
 
@@ -15,7 +18,7 @@ import os
 import shutil
 import sys
 import time
-from collections import deque
+from collections import Counter, deque
 from concurrent.futures import Future, ProcessPoolExecutor
 from pathlib import Path
 from typing import Iterator
@@ -23,18 +26,25 @@ from typing import Iterator
 import numpy as np
 from tqdm import tqdm
 
-from pipeline.config import DataConfig, SourceConfig, config_hash
+from pipeline.config import DataConfig, RecipeError, SourceConfig, config_hash
+from pipeline.locking import FALLBACK_FILE, LOCK_FILE, FolderLock, FolderLockedError
 from pipeline.tokenize.bpe import tokenizer_identity
 from pipeline.tokenize.dedup import HashSet64
-from pipeline.tokenize.sources import SKIP_REASONS, Record, Unit, plan_units, read_unit
-from pipeline.tokenize.worker import BLANK, DOC, BatchResult, process_batch
-from pipeline.tokenize.writer import FORMAT_VERSION, MANIFEST, ShardWriter, atomic_write, write_manifest
+from pipeline.tokenize.sources import (SKIP_REASONS, DamagedInputError, Record, Unit, plan_units, read_unit,
+                                      record_fields)
+from pipeline.tokenize.worker import BLANK, DOC, BatchResult, init_worker, process_batch
+from pipeline.tokenize.writer import (FORMAT_VERSION, MANIFEST, ShardWriter, atomic_write, manifest_problems,
+                                      write_manifest)
 
 BATCH_BYTES = 1 << 20  # raw bytes per batch handed to a worker
 BATCH_RECORDS = 4096
 MAX_LOCATIONS = 5  # first locations kept per skip reason
 PROGRESS = ".progress"
-STATE_VERSION = 1
+STATE_VERSION = 2
+MISSING = SKIP_REASONS.index("missing_text_field") + 1  # the worker's kind of a record without the text field
+WARN_MISSING_AFTER = 1000  # records without the text field, and no document yet, before a source is warned about
+MAX_FIELDS = 50  # distinct fields counted per source on records without the text field
+UP_TO_DATE_WAIT_S = 5.0  # how long a job that finds the dataset up to date waits for another job's lock
 
 
 class BadRecordError(ValueError):
@@ -43,9 +53,9 @@ class BadRecordError(ValueError):
 
 def content_config(cfg: DataConfig) -> dict:
     """The part of the data config that decides the dataset's bytes (not where it goes, how many workers make it,
-    whether bad records fail the job, or training-time mixing): recorded in the manifest and fingerprinted."""
+    whether bad records fail the job, training-time mixing or checks): recorded in the manifest and fingerprinted."""
     d = dataclasses.asdict(cfg)
-    for key in ("dataset_dir", "workers", "strict", "mixture"):
+    for key in ("dataset_dir", "workers", "strict", "mixture", "verify"):
         d.pop(key)
     return d
 
@@ -91,11 +101,18 @@ class _Job:
         self.dedup = HashSet64()
         self.stats = [{"kind": s.kind, "paths": s.paths, "name": s.name, "documents": 0, "bytes": 0, "tokens": 0,
                        "duplicates": 0, "skipped": {r: 0 for r in SKIP_REASONS},
-                       "first_skipped": {r: [] for r in SKIP_REASONS}} for s in self.sources]
+                       "first_skipped": {r: [] for r in SKIP_REASONS},
+                       "fields_of_records_without_text_field": {}} for s in self.sources]
         self.capped: set[int] = set()
+        self.warned: set[int] = set()  # sources warned about a text field their records lack
         self.position = (-1, -1, -1)  # last record handled
         self.bytes_read = 0
         self.snapshots = 0
+
+    def source_key(self, source: int) -> str:
+        """The recipe key of a source: ``data.sources[i]`` or ``data.validation_sources[j]``."""
+        n = len(self.cfg.sources)
+        return f"data.sources[{source}]" if source < n else f"data.validation_sources[{source - n}]"
 
     # ------------------------------------------------------------------------------------------- state
     def _split_of(self, source: int, h: int) -> str:
@@ -146,14 +163,19 @@ class _Job:
             if batch and batch[-1].pos[0] != unit.source:  # one source per batch (one text field)
                 yield batch
                 batch, size = [], 0
-            for rec in read_unit(unit, self.sources[unit.source], skip):
-                if unit.source in self.capped:
-                    break
-                batch.append(rec)
-                size += rec.nbytes
-                if size >= BATCH_BYTES or len(batch) >= BATCH_RECORDS:
-                    yield batch
-                    batch, size = [], 0
+            try:
+                for rec in read_unit(unit, self.sources[unit.source], skip):
+                    if unit.source in self.capped:
+                        break
+                    batch.append(rec)
+                    size += rec.nbytes
+                    if size >= BATCH_BYTES or len(batch) >= BATCH_RECORDS:
+                        yield batch
+                        batch, size = [], 0
+            except DamagedInputError as e:
+                raise DamagedInputError(f"{e}. A damaged file is not a bad record, so this fails without --strict "
+                                        f"too: replace it with an intact copy, or remove it from "
+                                        f"{self.source_key(unit.source)}.paths") from None
         if batch:
             yield batch
 
@@ -180,9 +202,17 @@ class _Job:
                 reason = SKIP_REASONS[kind - 1]
                 where = self.location(rec)
                 if self.strict:
-                    raise BadRecordError(f"{where}: {reason.replace('_', ' ')} (strict mode; drop data.strict / "
-                                         f"--strict to count and skip such records instead)")
+                    what = reason.replace('_', ' ')
+                    if kind == MISSING:
+                        field, fields = self.sources[src].text_field, rec.fields or record_fields(rec.raw, rec.fmt)
+                        what = f"field {field!r} is not a string" if field in fields else f"no field {field!r}"
+                        what += (f" (fields it has: {', '.join(fields)})" if fields else "") + \
+                            f"; {self.source_key(src)}.text_field names the field that holds the text"
+                    raise BadRecordError(f"{where}: {what} (strict mode; drop data.strict / --strict to count and "
+                                         f"skip such records instead)")
                 st["skipped"][reason] += 1
+                if kind == MISSING and rec.fields:  # an HF row: its fields are known here
+                    self.count_fields(src, Counter(rec.fields))
                 if len(st["first_skipped"][reason]) < MAX_LOCATIONS:
                     st["first_skipped"][reason].append(where)
                 continue
@@ -198,10 +228,35 @@ class _Job:
             st["tokens"] += ntok
             if self.writers[self._split_of(src, h)].add_document(tokens):
                 self.save_state()
+        if res.fields_without_text_field:  # a batch holds one source's records
+            self.count_fields(records[0].pos[0], res.fields_without_text_field)
+        self.warn_missing_field(records[0].pos[0])
         bar.update(batch_bytes)
         bar.set_postfix_str(f"{sum(s['documents'] for s in self.stats):,} docs, "
                             f"{sum(s['tokens'] for s in self.stats) / max(1e-9, time.time() - self.t0):,.0f} tok/s",
                             refresh=False)
+
+    def count_fields(self, src: int, fields: Counter) -> None:
+        counts = self.stats[src]["fields_of_records_without_text_field"]
+        for f, n in fields.items():
+            if f in counts or len(counts) < MAX_FIELDS:
+                counts[f] = counts.get(f, 0) + n
+
+    def missing_field_words(self, src: int) -> str:
+        """'N records had no field 'X' (fields they have: a, b)' for a source."""
+        st, field = self.stats[src], self.sources[src].text_field
+        return _missing_field_words(st["skipped"]["missing_text_field"], field,
+                                    st["fields_of_records_without_text_field"])
+
+    def warn_missing_field(self, src: int) -> None:
+        """Say early when a source's records lack its text field, rather than only at the end of a long read."""
+        st = self.stats[src]
+        if (self.quiet or src in self.warned or st["documents"]
+                or st["skipped"]["missing_text_field"] < WARN_MISSING_AFTER):
+            return
+        self.warned.add(src)
+        tqdm.write(f"warning: {self.source_key(src)}: {self.missing_field_words(src)} and none had it so far; "
+                   f"check {self.source_key(src)}.text_field", file=sys.stderr)
 
     def location(self, rec: Record) -> str:
         unit = self.units[rec.pos[0]][rec.pos[1]]
@@ -221,7 +276,9 @@ class _Job:
                    desc="tokenize: input read", disable=self.quiet, mininterval=1.0, smoothing=0.1)
         # fork: workers start at once and never re-import the caller's __main__ (spawn would)
         ctx = multiprocessing.get_context("fork" if sys.platform == "linux" else "spawn")
-        pool = ProcessPoolExecutor(self.workers, mp_context=ctx) if self.workers > 1 else _InProcess()
+        # the workers let go of the dataset lock inherited by fork, and die with this process
+        pool = (ProcessPoolExecutor(self.workers, mp_context=ctx, initializer=init_worker, initargs=(os.getpid(),))
+                if self.workers > 1 else _InProcess())
         try:
             with pool:
                 inflight: deque = deque()
@@ -240,12 +297,15 @@ class _Job:
         return self.finish()
 
     def finish(self) -> dict:
+        unread = [f"{self.source_key(i)}.text_field={self.sources[i].text_field!r}: {self.missing_field_words(i)} "
+                  f"and no record had it; set {self.source_key(i)}.text_field to the field that holds the text"
+                  for i, st in enumerate(self.stats) if not st["documents"] and st["skipped"]["missing_text_field"]]
+        if unread:
+            raise RecipeError(unread, "data sources")
         splits = {s: w.close() for s, w in self.writers.items()}
         empty = [s for s in ("train", "val") if splits[s]["tokens"] == 0]
         if empty:
-            raise ValueError(f"the {' and '.join(empty)} split is empty ({sum(s['documents'] for s in self.stats)} "
-                             f"documents kept in all): add documents, or change data.val_fraction="
-                             f"{self.cfg.val_fraction} / data.validation_sources")
+            raise ValueError(self.empty_split_words(empty))
         manifest = {
             "format_version": FORMAT_VERSION,
             "fingerprint": self.fingerprint,
@@ -265,50 +325,146 @@ class _Job:
         shutil.rmtree(self.progress_dir, ignore_errors=True)
         return manifest
 
+    def empty_split_words(self, empty: list[str]) -> str:
+        what = f"the {' and '.join(empty)} split{'s are' if len(empty) > 1 else ' is'} empty"
+        if self.cfg.validation_sources:  # the split is by source: val_fraction plays no part
+            n = len(self.cfg.sources)
+            groups = {"train": ("data.sources", self.stats[:n]), "val": ("data.validation_sources", self.stats[n:])}
+            gave = "; ".join(f"{key} kept no document ({_dropped(stats)})" for key, stats in map(groups.get, empty))
+            return f"{what}: {gave}; add documents to {' and '.join(groups[s][0] for s in empty)}"
+        kept = sum(s["documents"] for s in self.stats)
+        if not kept:
+            return f"{what}: no document was kept ({_dropped(self.stats)}); fix data.sources or their settings"
+        return (f"{what} ({kept:,} documents kept in all): add documents, or change data.val_fraction="
+                f"{self.cfg.val_fraction}, or give a separate validation set in data.validation_sources")
+
+
+def _missing_field_words(n: int, field: str, fields: dict[str, int]) -> str:
+    not_text = fields.get(field, 0)  # records that have the field, but not as a string
+    others = sorted((kv for kv in fields.items() if kv[0] != field), key=lambda kv: (-kv[1], kv[0]))
+    return (f"{n:,} records had no field {field!r}"
+            + (f" ({not_text:,} of them had it, but not as a string)" if not_text else "")
+            + (f" (fields they have: {', '.join(f for f, _ in others[:12])})" if others else ""))
+
+
+def _dropped(stats: list[dict]) -> str:
+    """What became of the records of sources that kept no document."""
+    skipped, duplicates = Counter(), sum(st["duplicates"] for st in stats)
+    for st in stats:
+        skipped.update(st["skipped"])
+    parts = [f"{n:,} {r.replace('_', ' ')}" for r, n in skipped.items() if n]
+    parts += [f"{duplicates:,} duplicates"] if duplicates else []
+    return f"records dropped: {', '.join(parts)}" if parts else "no record was read"
+
+
+def wait_for_dataset(cfg: DataConfig, poll_s: float = 2.0) -> dict:
+    """Wait until ``cfg.dataset_dir`` holds the finished dataset of this config (another process tokenizes it: rank 0
+    of `grt run` under torchrun, whose failure ends the whole job)."""
+    out, fingerprint = Path(cfg.dataset_dir), data_fingerprint(cfg)
+    while True:
+        try:
+            manifest = _finished(out, fingerprint)[0]
+        except (ValueError, OSError):  # a manifest being replaced, or another config's: rank 0 decides
+            manifest = None
+        if manifest is not None:
+            return manifest
+        time.sleep(poll_s)
+
+
+def _finished(out: Path, fingerprint: str) -> tuple[dict | None, bool]:
+    """(the manifest, False) when ``out`` holds a dataset made from this config; (None, True) when it holds one of an
+    older format, to be rebuilt; (None, False) when it holds none. Another config's dataset is an error."""
+    path = out / MANIFEST
+    if not path.is_file():
+        return None, False
+    try:
+        manifest = json.loads(path.read_text())
+    except ValueError:
+        manifest = None
+    if not isinstance(manifest, dict):
+        raise ValueError(f"{path} is not a manifest (not a JSON object): pass --force to rebuild the dataset in {out}")
+    if manifest.get("format_version") != FORMAT_VERSION:
+        return None, True
+    if manifest.get("fingerprint") != fingerprint:
+        raise FileExistsError(f"{out} holds a dataset made from a different data config (fingerprint "
+                              f"{manifest.get('fingerprint')} != {fingerprint}); choose another "
+                              f"data.dataset_dir or pass --force to overwrite it")
+    if manifest_problems(manifest):  # this config's, but damaged: rebuilt
+        return None, True
+    return manifest, False
+
+
+def _lock_dataset(out: Path, wait_s: float) -> FolderLock:
+    """The dataset folder's lock; ``wait_s`` > 0 waits that long for a holder that may be only checking it."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            return FolderLock(out, "dataset folder", fix=", or point data.dataset_dir at another folder").acquire()
+        except FolderLockedError:
+            if time.monotonic() >= deadline:
+                raise
+            time.sleep(0.05)
+
+
+def _clear(out: Path) -> None:
+    """Empty the dataset folder for a rebuild, all but the lock this job holds."""
+    for p in out.iterdir():
+        if p.name in (LOCK_FILE, FALLBACK_FILE):
+            continue
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p)
+        else:
+            p.unlink()
+
 
 def tokenize(cfg: DataConfig, force: bool = False, quiet: bool = False, strict: bool | None = None,
              workers: int | None = None) -> dict:
     """Tokenize ``cfg.sources`` into ``cfg.dataset_dir``; reuse a finished dataset made from the same config and
-    resume an interrupted one."""
+    resume an interrupted one. Holds the dataset folder's lock while it reads or writes there."""
     out = Path(cfg.dataset_dir)
     fingerprint = data_fingerprint(cfg)
-    if (out / MANIFEST).is_file() and not force:
-        manifest = json.loads((out / MANIFEST).read_text())
-        if manifest.get("format_version") != FORMAT_VERSION:
-            if not quiet:
-                print(f"tokenize: {out} was written by an older version (format {manifest.get('format_version')}); "
-                      f"rebuilding it", file=sys.stderr)
-            force = True
-        elif manifest.get("fingerprint") == fingerprint:
-            if not quiet:
-                print(f"tokenize: {out} is up to date ({manifest['splits']['train']['tokens']:,} train tokens); "
-                      f"--force to rebuild")
-            return manifest
-        else:
-            raise FileExistsError(f"{out} holds a dataset made from a different data config (fingerprint "
-                              f"{manifest.get('fingerprint')} != {fingerprint}); choose another "
-                                  f"data.dataset_dir or pass --force to overwrite it")
-    if force and out.exists():
-        shutil.rmtree(out)
+    strict = cfg.strict if strict is None else strict
     workers = workers or cfg.workers or os.cpu_count() or 1
-    job = _Job(cfg, cfg.strict if strict is None else strict, workers, quiet)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / MANIFEST).unlink(missing_ok=True)
-    resumed = job.load_state()
-    if not resumed:  # a fresh start: nothing of an older attempt may leak in
-        shutil.rmtree(job.progress_dir, ignore_errors=True)
-        for f in out.glob("*_[0-9][0-9][0-9][0-9][0-9][0-9].*"):
-            f.unlink()
-    job.progress_dir.mkdir(exist_ok=True)
-    if resumed and not quiet:
-        print(f"tokenize: resuming {out} after {job.bytes_read / 1e6:,.1f} MB of input "
-              f"({sum(len(w.shards) for w in job.writers.values())} shards done)", file=sys.stderr)
-    t0 = time.time()
+    try:  # a look without the lock decides only what is prepared before taking it; the answer is taken under it
+        look = "build" if force or _finished(out, fingerprint)[0] is None else "reuse"
+    except (ValueError, OSError):
+        look = "refuse"  # another config's dataset, or a broken manifest: said under the lock
+    # the sources are resolved before the folder is locked (and so created): a missing input leaves no trace
+    job = _Job(cfg, strict, workers, quiet) if look == "build" else None
+    # jobs that only find the dataset up to date (several `grt run` sharing it) wait out each other's brief hold
+    lock = _lock_dataset(out, UP_TO_DATE_WAIT_S if look == "reuse" else 0.0)
     try:
-        manifest = job.run()
-    except BadRecordError:
-        shutil.rmtree(job.progress_dir, ignore_errors=True)
-        raise
+        if not force:
+            manifest, force = _finished(out, fingerprint)
+            if manifest is not None:
+                if not quiet:
+                    print(f"tokenize: {out} is up to date ({manifest['splits']['train']['tokens']:,} train tokens); "
+                          f"--force to rebuild")
+                return manifest
+            if force and not quiet:
+                print(f"tokenize: {out}'s manifest is of an older format (not {FORMAT_VERSION}) or incomplete; "
+                      f"rebuilding the dataset", file=sys.stderr)
+        job = job or _Job(cfg, strict, workers, quiet)  # the dataset was removed since the look
+        if force:
+            _clear(out)
+        (out / MANIFEST).unlink(missing_ok=True)
+        resumed = job.load_state()
+        if not resumed:  # a fresh start: nothing of an older attempt may leak in
+            shutil.rmtree(job.progress_dir, ignore_errors=True)
+            for f in out.glob("*_[0-9][0-9][0-9][0-9][0-9][0-9].*"):
+                f.unlink()
+        job.progress_dir.mkdir(exist_ok=True)
+        if resumed and not quiet:
+            print(f"tokenize: resuming {out} after {job.bytes_read / 1e6:,.1f} MB of input "
+                  f"({sum(len(w.shards) for w in job.writers.values())} shards done)", file=sys.stderr)
+        t0 = time.time()
+        try:
+            manifest = job.run()
+        except BadRecordError:
+            shutil.rmtree(job.progress_dir, ignore_errors=True)
+            raise
+    finally:
+        lock.release()
     if not quiet:
         report(manifest, out, time.time() - t0, workers)
     return manifest
@@ -324,5 +480,9 @@ def report(m: dict, out: Path, seconds: float, workers: int) -> None:
     for reason, n in t["skipped"].items():
         if n:
             where = [loc for s in m["sources"] for loc in s["first_skipped"][reason]][:MAX_LOCATIONS]
-            print(f"  skipped {n:,} {reason.replace('_', ' ')}: first at {', '.join(where)}")
+            have = Counter()
+            for s in m["sources"] if reason == "missing_text_field" else []:
+                have.update(s["fields_of_records_without_text_field"])
+            fields = f" (fields they have: {', '.join(f for f, _ in have.most_common(12))})" if have else ""
+            print(f"  skipped {n:,} {reason.replace('_', ' ')}{fields}: first at {', '.join(where)}")
 

@@ -1,13 +1,21 @@
 """The work done in each tokenizer process: decode and check raw records, hash and tokenize the documents."""
 from __future__ import annotations
 
+import ctypes
 import hashlib
-from dataclasses import dataclass
+import os
+import signal
+import sys
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
 
 import numpy as np
 
+from pipeline.locking import forked_child_cleanup
 from pipeline.tokenize.bpe import gpt2_encoding
-from pipeline.tokenize.sources import SKIP_REASONS, parse_record
+from pipeline.tokenize.sources import SKIP_REASONS, parse_record, record_fields
 
 BLANK = -1  # a record with no document (blank JSON line): neither counted nor kept
 DOC = 0  # kinds 1.. are 1 + the index of the skip reason in SKIP_REASONS
@@ -20,6 +28,27 @@ class BatchResult:
     ntokens: np.ndarray  # int64 per document, EOT included
     nbytes: np.ndarray  # int64 per document: UTF-8 bytes of its text
     tokens: np.ndarray  # all documents' tokens, each followed by EOT
+    # the fields of the JSON records that lack the text field, and on how many of them each is
+    fields_without_text_field: Counter = field(default_factory=Counter)
+
+
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def init_worker(parent_pid: int) -> None:
+    """Initializer of a tokenizer process: drop the dataset lock inherited by fork (it must die with the job, not
+    outlive it in a worker), and end when the job's process ends, however it ends (SIGKILL included)."""
+    forked_child_cleanup()
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+    else:  # no parent-death signal: watch for the parent's end
+        def watch() -> None:
+            while os.getppid() == parent_pid:
+                time.sleep(1.0)
+            os._exit(1)
+        threading.Thread(target=watch, daemon=True).start()
+    if os.getppid() != parent_pid:  # the parent ended before the signal was set up
+        os._exit(1)
 
 
 def content_hash(text: str) -> int:
@@ -32,6 +61,7 @@ def process_batch(records: list[tuple], text_field: str, dtype: str) -> BatchRes
     enc = gpt2_encoding()
     eot = enc.eot_token
     kinds, texts = [], []
+    fields: Counter = Counter()
     for raw, fmt in records:
         if fmt == "blank":
             kinds.append(BLANK)
@@ -39,6 +69,8 @@ def process_batch(records: list[tuple], text_field: str, dtype: str) -> BatchRes
         text, reason = parse_record(raw, fmt, text_field)
         if reason is not None:
             kinds.append(1 + SKIP_REASONS.index(reason))
+            if reason == "missing_text_field":
+                fields.update(record_fields(raw, fmt))
             continue
         kinds.append(DOC)
         texts.append(text)
@@ -52,4 +84,4 @@ def process_batch(records: list[tuple], text_field: str, dtype: str) -> BatchRes
                        hashes=np.asarray([content_hash(t) for t in texts], dtype=np.uint64),
                        ntokens=np.asarray(ntokens, dtype=np.int64),
                        nbytes=np.asarray([len(t.encode("utf-8", "surrogatepass")) for t in texts], dtype=np.int64),
-                       tokens=np.asarray(flat, dtype=dtype))
+                       tokens=np.asarray(flat, dtype=dtype), fields_without_text_field=fields)

@@ -93,24 +93,154 @@ def write_manifest(out_dir: Path, manifest: dict) -> None:
     atomic_write(out_dir / MANIFEST, (json.dumps(manifest, indent=2) + "\n").encode())
 
 
+# What the readers (training, `grt data stats|verify`, tracking) take from a manifest: a damaged one is refused by
+# read_manifest with every problem named, never met later as a KeyError or TypeError. A dict is a JSON object with
+# these keys (others are allowed), [spec] a list of them, _Each(spec) an object of any keys with values like spec.
+class _Each:
+    def __init__(self, spec):
+        self.spec = spec
+
+
+_COUNT = "a count"  # a JSON integer >= 0
+_SKIPPED = _Each(_COUNT)
+_SHARD_SPEC = {"file": str, "tokens": _COUNT, "documents": _COUNT, "sha256": str, "index_file": str,
+               "index_sha256": str}
+_MANIFEST_SPEC = {
+    "format_version": int,
+    "tokenizer": {"name": str, "vocab_hash": str, "n_vocab": _COUNT, "eot_id": _COUNT},
+    "dtype": str,
+    "shard_tokens": _COUNT,
+    "splits": _Each({"tokens": _COUNT, "documents": _COUNT, "shards": [_SHARD_SPEC]}),
+    "sources": [{"kind": str, "paths": [str], "name": (str, type(None)), "documents": _COUNT, "bytes": _COUNT,
+                 "tokens": _COUNT, "duplicates": _COUNT, "skipped": _SKIPPED}],
+    "totals": {"documents": _COUNT, "tokens": _COUNT, "bytes": _COUNT, "duplicates": _COUNT, "skipped": _SKIPPED},
+}
+DTYPES = {"uint16": 2**16, "uint32": 2**32}  # shard dtype -> the most token ids it can hold
+
+
+def _json_kind(value) -> str:
+    for t, name in ((dict, "an object"), (list, "an array"), (str, "a string"), (bool, "a boolean"),
+                    (int, "an integer"), (float, "a number")):
+        if isinstance(value, t):
+            return name
+    return "null"
+
+
+def _spec_problems(value, spec, where: str, out: list[str]) -> None:
+    if isinstance(spec, dict):
+        if not isinstance(value, dict):
+            out.append(f"{where} is {_json_kind(value)}, not an object")
+            return
+        for key, sub in spec.items():
+            if key not in value:
+                out.append(f"{where}.{key} is missing")
+            else:
+                _spec_problems(value[key], sub, f"{where}.{key}", out)
+    elif isinstance(spec, (list, _Each)):
+        container = list if isinstance(spec, list) else dict
+        if not isinstance(value, container):
+            out.append(f"{where} is {_json_kind(value)}, not {'an array' if container is list else 'an object'}")
+            return
+        items = enumerate(value) if container is list else value.items()
+        sub = spec[0] if container is list else spec.spec
+        for key, v in items:
+            _spec_problems(v, sub, f"{where}[{key}]" if container is list else f"{where}.{key}", out)
+    elif spec is _COUNT:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            out.append(f"{where} is {value!r}, not a count")
+    elif isinstance(value, bool) or not isinstance(value, spec):
+        want = " or ".join(_json_kind(t()) if t is not type(None) else "null"
+                           for t in (spec if isinstance(spec, tuple) else (spec,)))
+        out.append(f"{where} is {value!r}, not {want}")
+
+
+def manifest_problems(m) -> list[str]:
+    """What is wrong with a parsed manifest (empty: every field the readers use is there, of the right type)."""
+    if not isinstance(m, dict):
+        return [f"it holds {_json_kind(m)}, not the manifest's object"]
+    if m.get("format_version") != FORMAT_VERSION:
+        return [f"format_version {m.get('format_version')!r} is not {FORMAT_VERSION}"]
+    out: list[str] = []
+    _spec_problems(m, _MANIFEST_SPEC, "manifest", out)
+    out = [p.removeprefix("manifest.") for p in out]
+    n_vocab = m["tokenizer"].get("n_vocab") if isinstance(m.get("tokenizer"), dict) else None
+    if isinstance(m.get("dtype"), str) and m["dtype"] not in DTYPES:
+        out.append(f"dtype {m['dtype']!r} is not one of {sorted(DTYPES)}")
+    elif m.get("dtype") in DTYPES and isinstance(n_vocab, int) and not 0 < n_vocab <= DTYPES[m["dtype"]]:
+        out.append(f"tokenizer.n_vocab {n_vocab} is not between 1 and {DTYPES[m['dtype']]:,} (what {m['dtype']} "
+                   f"holds)")
+    if isinstance(m.get("splits"), dict):
+        out += [f"splits.{s} is missing" for s in ("train", "val") if s not in m["splits"]]
+        for split, info in m["splits"].items():
+            shards = info.get("shards") if isinstance(info, dict) else None
+            for i, sh in enumerate(shards if isinstance(shards, list) else []):
+                for key in ("file", "index_file"):
+                    name = sh.get(key) if isinstance(sh, dict) else None
+                    # a shard is a file of the dataset folder: no path may point anywhere else
+                    if isinstance(name, str) and (name in ("", ".", "..") or "/" in name or "\\" in name):
+                        out.append(f"splits.{split}.shards[{i}].{key} {name!r} is not a file name")
+    return out
+
+
 def read_manifest(dataset_dir: str | Path) -> dict:
+    """The manifest of a tokenized dataset; a missing, unreadable or incomplete one is an error naming the file."""
     path = Path(dataset_dir) / MANIFEST
     if not path.is_file():
         raise FileNotFoundError(f"no tokenized dataset at {dataset_dir} ({MANIFEST} missing): run "
                                 f"`grt tokenize RECIPE` first, or point data.dataset_dir at a tokenized dataset")
-    manifest = json.loads(path.read_text())
-    if manifest.get("format_version") != FORMAT_VERSION:
-        raise ValueError(f"{path}: format_version {manifest.get('format_version')} is not {FORMAT_VERSION}; "
-                         f"re-tokenize it with `grt tokenize RECIPE --force`")
+    fix = "re-tokenize the dataset with `grt tokenize RECIPE --force`"
+    try:
+        manifest = json.loads(path.read_bytes())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not valid JSON ({e.msg} at line {e.lineno} column {e.colno}): damaged or cut "
+                         f"short; {fix}") from None
+    except (ValueError, RecursionError) as e:  # not UTF-8 text; nested past the parser's depth
+        raise ValueError(f"{path} cannot be read as JSON ({type(e).__name__}: {e}); {fix}") from None
+    problems = manifest_problems(manifest)
+    if problems:
+        more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
+        raise ValueError(f"{path} is not a usable manifest: {'; '.join(problems[:5])}{more}; {fix}")
     return manifest
 
 
+def scan_shard(path: Path, dtype: str, n_vocab: int | None, checksum: bool = True,
+               block_bytes: int = 1 << 24) -> dict:
+    """One pass over a shard file in blocks of ``block_bytes`` (memory stays bounded): its sha256 (when ``checksum``)
+    and, when ``n_vocab`` is given, how many token ids are >= n_vocab, the first one's token offset and value."""
+    dt = np.dtype(dtype).newbyteorder("<")
+    h = hashlib.sha256() if checksum else None
+    buf = bytearray(block_bytes - block_bytes % dt.itemsize)
+    bad, first, value, offset = 0, None, None, 0
+    with open(path, "rb") as fh:
+        while n := fh.readinto(buf):
+            if h is not None:
+                h.update(memoryview(buf)[:n])
+            if n_vocab is not None:
+                ids = np.frombuffer(buf, dtype=dt, count=n // dt.itemsize)  # a trailing partial token: size check
+                if ids.size and ids.max() >= n_vocab:
+                    where = np.flatnonzero(ids >= n_vocab)
+                    if first is None:
+                        first, value = offset + int(where[0]), int(ids[where[0]])
+                    bad += where.size
+            offset += n // dt.itemsize
+    return {"sha256": h.hexdigest() if h is not None else None, "bad_ids": bad, "first_bad": first,
+            "first_bad_value": value}
+
+
+def bad_ids_text(file: str, scan: dict, n_vocab: int, limit_words: str = "the vocabulary size") -> str:
+    """One line on a shard's token ids out of range (``scan`` from :func:`scan_shard`)."""
+    return (f"{file} holds {scan['bad_ids']:,} token id(s) >= {limit_words} {n_vocab:,}, the first "
+            f"({scan['first_bad_value']}) at token offset {scan['first_bad']:,}")
+
+
 def verify_dataset(dataset_dir: str | Path, checksums: bool = True) -> list[str]:
-    """Recheck every shard and index against the manifest; returns the problems (empty: all good). ``checksums=False``
-    skips the sha256 of each file (sizes and indexes are still checked): a quick look at a very large dataset."""
+    """Recheck every shard and index against the manifest; returns the problems (empty: all good). With ``checksums``
+    every file's sha256 and every token id (below the tokenizer's n_vocab) are checked, in one read of the data;
+    ``checksums=False`` checks only sizes and indexes: a quick look at a very large dataset."""
     d = Path(dataset_dir)
     m = read_manifest(d)
     itemsize = np.dtype(m["dtype"]).itemsize
+    n_vocab = m["tokenizer"]["n_vocab"]
     problems = []
     for split, info in m["splits"].items():
         total_tokens = total_docs = 0
@@ -122,19 +252,19 @@ def verify_dataset(dataset_dir: str | Path, checksums: bool = True) -> list[str]
                     continue
                 if not checksums:
                     continue
-                h = hashlib.sha256()
-                with open(f, "rb") as fh:
-                    for block in iter(lambda: fh.read(1 << 24), b""):
-                        h.update(block)
-                if h.hexdigest() != sh[sha_key]:
-                    problems.append(f"{split}: {sh[key]} sha256 {h.hexdigest()[:16]} != manifest {sh[sha_key][:16]}")
+                scan = scan_shard(f, m["dtype"] if key == "file" else "<u4", n_vocab if key == "file" else None)
+                if scan["sha256"] != sh[sha_key]:
+                    problems.append(f"{split}: {sh[key]} sha256 {scan['sha256'][:16]} != manifest {sh[sha_key][:16]}")
+                if scan["bad_ids"]:
+                    problems.append(f"{split}: " + bad_ids_text(sh[key], scan, n_vocab,
+                                                                "the tokenizer's vocabulary size (n_vocab)"))
             f = d / sh["file"]
             if f.is_file() and f.stat().st_size != sh["tokens"] * itemsize:
                 problems.append(f"{split}: {sh['file']} holds {f.stat().st_size // itemsize} tokens, manifest says "
                                 f"{sh['tokens']}")
             idx = d / sh["index_file"]
             if idx.is_file():
-                starts = np.fromfile(idx, dtype="<u4")
+                starts = np.fromfile(idx, dtype="<u4", count=idx.stat().st_size // 4)
                 if starts.size != sh["documents"] or (starts.size and (np.any(np.diff(starts.astype(np.int64)) <= 0)
                                                                        or starts[-1] >= sh["tokens"])):
                     problems.append(f"{split}: {sh['index_file']} is not {sh['documents']} increasing offsets "

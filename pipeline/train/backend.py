@@ -15,6 +15,7 @@ import contextlib
 import datetime
 import math
 import os
+import shutil
 import time
 from pathlib import Path
 
@@ -23,13 +24,13 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from pipeline.config import TrainConfig
-from pipeline.train.checkpoint import SHARDS_DIR, checkpoint_format_of
+from pipeline.train.checkpoint import SHARDS_DIR, checkpoint_format_of, verify_checkpoint, write_index
 
 
 def pick_device(name: str, local_rank: int = 0) -> torch.device:
     if name == "cuda" or (name == "auto" and torch.cuda.is_available()):
         if not torch.cuda.is_available():
-            raise RuntimeError("train.device=cuda but torch sees no CUDA device; use train.device=cpu or auto")
+            raise ValueError("train.device=cuda but torch sees no CUDA device; use train.device=cpu or auto")
         torch.cuda.set_device(local_rank)
         return torch.device("cuda", local_rank)
     return torch.device("cpu")
@@ -364,9 +365,11 @@ class DeepSpeed(TorchDistributed):
                 f"the universal checkpoint), or convert the weights (`grt checkpoint convert {folder} --to full`) "
                 f"and start a new run from them")
         out = folder / "deepspeed_universal"
+        if self.is_main and out.is_dir() and verify_checkpoint(out):  # damaged since: converted again
+            print(f"{out} does not match its index: converting again", flush=True)
+            shutil.rmtree(out)
         if self.is_main and not out.is_dir():
             import argparse
-            import shutil
 
             from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
 
@@ -377,6 +380,7 @@ class DeepSpeed(TorchDistributed):
             ds_to_universal(argparse.Namespace(
                 input_folder=str(folder / "deepspeed"), output_folder=str(tmp), num_extract_workers=4,
                 num_merge_workers=2, keep_temp_folder=False, strict=True, inject_missing_state=True))
+            write_index(tmp)  # checked before it is reused
             os.replace(tmp, out)
         # the others wait for the folder outside any collective: a large conversion may outlast the collective
         # timeout

@@ -1,13 +1,17 @@
 """Checkpoints: one folder per step, written to a temporary name, synced, then renamed (never half-written).
 
-``runs/NAME/checkpoints/step_00000100/{state.pt, recipe.yaml[, model_optim/ | deepspeed/]}``; the last ``keep`` are
-kept. A job killed while saving leaves only the temporary folder, which is ignored: the previous checkpoint stays
-loadable. Formats (``state.pt``'s ``checkpoint_format``): ``full`` (model and optimizer inside state.pt), ``sharded``
+``runs/NAME/checkpoints/step_00000100/{state.pt, recipe.yaml[, model_optim/ | deepspeed/], index.json}``; the last
+``keep`` are kept. A job killed while saving leaves only the temporary folder, which is ignored: the previous
+checkpoint stays loadable. ``index.json`` is written last: the size and sha256 of every other file of the checkpoint.
+Resume and eval verify it, so a truncated or altered file (or a folder without its index) is never loaded: training
+moves a damaged checkpoint aside (``damaged_step_...``) and falls back to the newest intact one; eval refuses it. Formats (``state.pt``'s ``checkpoint_format``): ``full`` (model and optimizer inside state.pt), ``sharded``
 (torch.distributed.checkpoint shards in ``model_optim/``), ``deepspeed`` (DeepSpeed's own files in ``deepspeed/``);
 an export of ``grt checkpoint convert --to safetensors`` is a folder with ``model.safetensors`` and ``recipe.yaml``.
 """
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import json
 import os
 import re
@@ -39,15 +43,131 @@ def prepare_staging(ckpt_root: Path, step: int) -> Path:
     return tmp
 
 
+INDEX = "index.json"  # a checkpoint's integrity index, written last
+INDEX_VERSION = 1
+
+
+def _sha256_and_size(f: Path, sync: bool = False) -> tuple[str, int]:
+    h, size = hashlib.sha256(), 0
+    with open(f, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 24), b""):
+            h.update(block)
+            size += len(block)
+        if sync:
+            os.fsync(fh.fileno())
+    return h.hexdigest(), size
+
+
+def _parallel(fn, items: list) -> list:
+    """``fn`` over ``items`` in threads (hashlib and file reads release the GIL): the files of a sharded checkpoint are
+    hashed side by side."""
+    if len(items) < 2:
+        return [fn(x) for x in items]
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=min(8, len(items), os.cpu_count() or 1)) as pool:
+        return list(pool.map(fn, items))
+
+
+INDEX_PARTS = ".index_parts"  # in a staged checkpoint: each rank's digests of its share of the files
+
+
+def _files_of(folder: Path) -> list[Path]:
+    return [f for f in sorted(folder.rglob("*")) if f.is_file() and f.name != INDEX and INDEX_PARTS not in f.parts]
+
+
+def hash_share(folder: Path, rank: int, world: int) -> None:
+    """Every rank of a save: sync and hash its share of the staged files (every ``world``-th, from ``rank``) and leave
+    the digests for rank 0's index, so that no rank reads the whole checkpoint alone."""
+    mine = _files_of(folder)[rank::world]
+    digests = _parallel(lambda f: _sha256_and_size(f, sync=True), mine)
+    parts = folder / INDEX_PARTS
+    parts.mkdir(exist_ok=True)
+    out = {f.relative_to(folder).as_posix(): {"bytes": size, "sha256": sha} for f, (sha, size) in zip(mine, digests)}
+    (parts / f"rank_{rank}.json").write_text(json.dumps(out))
+
+
+def write_index(folder: Path) -> dict:
+    """Sync every file of ``folder`` and record its size and sha256 in ``folder/index.json`` (written last). Digests
+    the ranks left with :func:`hash_share` are used for the files they cover (those still at that size); the rest are
+    hashed here."""
+    known: dict = {}
+    parts = folder / INDEX_PARTS
+    if parts.is_dir():
+        for f in parts.glob("rank_*.json"):
+            known.update(json.loads(f.read_text()))
+        shutil.rmtree(parts)
+    paths = _files_of(folder)
+    todo = [f for f in paths if known.get(f.relative_to(folder).as_posix(), {}).get("bytes") != f.stat().st_size]
+    for f, (sha, size) in zip(todo, _parallel(lambda f: _sha256_and_size(f, sync=True), todo)):
+        known[f.relative_to(folder).as_posix()] = {"bytes": size, "sha256": sha}
+    files = {f.relative_to(folder).as_posix(): known[f.relative_to(folder).as_posix()] for f in paths}
+    index = {"version": INDEX_VERSION, "files": files}
+    with open(folder / INDEX, "w") as fh:
+        json.dump(index, fh, indent=1)
+        fh.flush()
+        os.fsync(fh.fileno())
+    _fsync_dir(folder)
+    return index
+
+
+MISSING_INDEX = (f"{INDEX} is missing (the file was removed, or the checkpoint was written before grt indexed "
+                 f"checkpoints: if you trust it, `grt checkpoint verify RUN --adopt` indexes it as it is now)")
+
+
+def verify_checkpoint(folder: Path, checksums: bool = True, share: tuple[int, int] = (0, 1)) -> list[str]:
+    """What is wrong with a checkpoint folder against its index (empty: intact). ``checksums=False`` compares sizes
+    only; ``share=(rank, world)`` hashes only every world-th file from rank (the ranks of a job split the reading;
+    sizes are always all checked). Files added after the save (DeepSpeed's universal conversion, which has an index of
+    its own) are not checked here."""
+    path = folder / INDEX
+    if not path.is_file():
+        return [MISSING_INDEX]
+    try:
+        index = json.loads(path.read_text())
+        files = index["files"]
+        entries = [(name, int(e["bytes"]), str(e["sha256"])) for name, e in files.items()]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        return [f"{INDEX} is unreadable ({type(e).__name__}: {e})"]
+    problems, to_hash = [], []
+    rank, world = share
+    for i, (name, size, sha) in enumerate(entries):
+        f = folder / name
+        if not f.is_file():
+            problems.append(f"{name} is missing")
+            continue
+        actual = f.stat().st_size
+        if actual != size:
+            problems.append(f"{name} has {actual:,} bytes, the index says {size:,} ("
+                            f"{'truncated' if actual < size else 'grown'} after the save)")
+        elif checksums and i % world == rank:
+            to_hash.append((name, f, sha))
+    for (name, _, sha), (actual_sha, _) in zip(to_hash, _parallel(lambda e: _sha256_and_size(e[1]), to_hash)):
+        if actual_sha != sha:
+            problems.append(f"{name}'s sha256 differs from the index (its bytes changed after the save)")
+    return problems
+
+
+class DamagedCheckpointError(ValueError):
+    pass
+
+
+def set_aside(folder: Path) -> Path:
+    """Rename a damaged checkpoint out of the way (kept for inspection, never loaded, never counted by ``keep``)."""
+    target = folder.with_name(f"damaged_{folder.name}")
+    n = 1
+    while target.exists():
+        n += 1
+        target = folder.with_name(f"damaged_{folder.name}.{n}")
+    os.replace(folder, target)
+    return target
+
+
 def publish(ckpt_root: Path, step: int, recipe_yaml: str, keep: int) -> Path:
-    """Sync the staged folder, rename it to ``step_XXXXXXXX`` and drop all but the last ``keep``."""
+    """Sync the staged folder and index it, rename it to ``step_XXXXXXXX`` and drop all but the last ``keep``."""
     tmp, final = staging_dir(ckpt_root, step), ckpt_root / f"step_{step:08d}"
     (tmp / "recipe.yaml").write_text(recipe_yaml)
-    for f in tmp.rglob("*"):
-        if f.is_file():
-            with open(f, "rb") as fh:
-                os.fsync(fh.fileno())
-    _fsync_dir(tmp)
+    write_index(tmp)
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)
@@ -60,24 +180,69 @@ def publish(ckpt_root: Path, step: int, recipe_yaml: str, keep: int) -> Path:
 
 
 def list_checkpoints(ckpt_root: Path) -> list[Path]:
+    """The published checkpoints (``step_XXXXXXXX`` with a state.pt or an index: one that lost its state.pt is listed,
+    to be found damaged), oldest first."""
     if not ckpt_root.is_dir():
         return []
-    found = [p for p in ckpt_root.iterdir() if p.is_dir() and STEP_DIR.match(p.name) and (p / "state.pt").is_file()]
+    found = [p for p in ckpt_root.iterdir() if p.is_dir() and STEP_DIR.match(p.name)
+             and ((p / "state.pt").is_file() or (p / INDEX).is_file())]
     return sorted(found, key=lambda p: int(STEP_DIR.match(p.name).group(1)))
 
 
-def resolve_checkpoint(path: str | Path) -> Path:
-    """A run folder, a checkpoints folder, a step folder or a state.pt file -> the state.pt to load."""
+def needs_index(folder: Path) -> bool:
+    """Checkpoints of a run (step_XXXXXXXX) and exports (RUN/exports/*) always carry an index."""
+    return bool(STEP_DIR.match(folder.name)) or folder.parent.name == "exports" or (folder / INDEX).is_file()
+
+
+_verified: set = set()  # (folder, index mtime) checked intact by this process: resolve + load hash once
+
+
+def check_intact(folder: Path, checksums: bool = True) -> None:
+    """Raise :class:`DamagedCheckpointError` naming the checkpoint, what is wrong and the newest intact one beside it."""
+    if not needs_index(folder):
+        return
+    index = folder / INDEX
+    key = (str(folder.resolve()), index.stat().st_mtime_ns if index.is_file() else None, checksums)
+    if key in _verified:
+        return
+    problems = verify_checkpoint(folder, checksums)
+    if not problems:
+        _verified.add(key)
+        return
+    other = next((c for c in reversed(list_checkpoints(folder.parent))
+                  if c != folder and not verify_checkpoint(c, checksums=False)), None)
+    alt = (f"the newest checkpoint beside it of intact size is {other}: pass that folder explicitly"
+           if other else "no intact checkpoint is beside it")
+    raise DamagedCheckpointError(f"checkpoint {folder} is damaged: {'; '.join(problems)}. Refusing to load it; "
+                                 f"{alt} (`grt train` on the run falls back to it by itself)")
+
+
+def resolve_checkpoint(path: str | Path, verify: bool = True) -> Path:
+    """A run folder, a checkpoints folder, a step folder or a state.pt file -> the state.pt to load; with ``verify``
+    the checkpoint must match its integrity index (:func:`check_intact`)."""
     p = Path(path)
+    found_file = None
     if p.is_file():
-        return p
-    for root in (p / "checkpoints", p):
-        found = list_checkpoints(root)
-        if found:
-            return found[-1] / "state.pt"
-    for name in ("state.pt", SAFETENSORS):
-        if (p / name).is_file():
-            return p / name
+        found_file = p
+    else:
+        for root in (p / "checkpoints", p):
+            found = list_checkpoints(root)
+            if found:
+                found_file = found[-1] / "state.pt"
+                break
+        else:
+            for name in ("state.pt", SAFETENSORS):
+                if (p / name).is_file():
+                    found_file = p / name
+                    break
+    if found_file is not None:
+        if verify:
+            check_intact(found_file.parent)
+        return found_file
+    aside = sorted(q.name for root in (p / "checkpoints", p) if root.is_dir() for q in root.glob("damaged_step_*"))
+    if aside:
+        raise DamagedCheckpointError(f"no intact checkpoint under {p}: the only ones there were set aside as damaged "
+                                     f"({', '.join(aside)}); train the run again (`grt train RECIPE`)")
     raise FileNotFoundError(f"no checkpoint under {p}: expected a run folder (runs/NAME), a step folder, a state.pt "
                             f"file or an exported {SAFETENSORS}; train first with `grt train RECIPE`")
 
@@ -86,20 +251,36 @@ SAFETENSORS = "model.safetensors"
 SAFETENSORS_META = "grt"  # the safetensors metadata key holding the recipe, step and info as JSON
 
 
-def load_checkpoint(path: str | Path, map_location="cpu") -> dict:
+def load_checkpoint(path: str | Path, map_location="cpu", verify: bool = True) -> dict:
     """The checkpoint's ``state.pt``: step, loader, recipe, ... — and the weights only in the ``full`` format
     (:func:`full_model_state` reads them from any format)."""
-    f = resolve_checkpoint(path)
+    f = resolve_checkpoint(path, verify)
     if f.name == SAFETENSORS:
         from safetensors import safe_open
 
-        with safe_open(str(f), "pt") as sf:
-            meta = (sf.metadata() or {}).get(SAFETENSORS_META)
+        with unreadable_as_damage(f):
+            with safe_open(str(f), "pt") as sf:
+                meta = (sf.metadata() or {}).get(SAFETENSORS_META)
         if meta is None:
             raise ValueError(f"{f} has no '{SAFETENSORS_META}' metadata: it was not written by `grt checkpoint "
                              f"convert`, so its recipe is unknown")
         return {**json.loads(meta), "checkpoint_format": "safetensors"}
-    return torch.load(f, map_location=map_location, weights_only=False)
+    with unreadable_as_damage(f):
+        return torch.load(f, map_location=map_location, weights_only=False)
+
+
+@contextlib.contextmanager
+def unreadable_as_damage(f: Path):
+    """Whatever a damaged file makes a reader raise (a zip cut short, a bad pickle, a safetensors header) becomes one
+    line naming the file, never a traceback from inside the reader."""
+    try:
+        yield
+    except DamagedCheckpointError:
+        raise
+    except Exception as e:  # noqa: BLE001 — the readers raise many types for one cause
+        first = (str(e).splitlines() or [""])[0][:200]
+        raise DamagedCheckpointError(f"cannot read {f}: {type(e).__name__}: {first}. The file is damaged; use "
+                                     f"another checkpoint of the run (`grt checkpoint verify RUN` lists them)") from e
 
 
 def checkpoint_format_of(folder: Path, state: dict) -> str:
@@ -150,7 +331,8 @@ def full_model_state(ckpt_file: Path, state: dict) -> dict:
     if fmt == "safetensors":
         from safetensors.torch import load_file
 
-        return retie(load_file(str(ckpt_file)), state["recipe"])
+        with unreadable_as_damage(ckpt_file):
+            return retie(load_file(str(ckpt_file)), state["recipe"])
     if fmt == "sharded":
         return _read_shards("model", folder)
     if (folder / "deepspeed").is_dir():

@@ -24,7 +24,8 @@ def convert(path: str | Path, to: str, out: str | Path | None = None) -> Path:
     import yaml
 
     from pipeline.train.checkpoint import (SAFETENSORS, SAFETENSORS_META, checkpoint_format_of, full_model_state,
-                                           full_optimizer_state, load_checkpoint, resolve_checkpoint, tied_names)
+                                           full_optimizer_state, load_checkpoint, resolve_checkpoint, tied_names,
+                                           write_index)
 
     if to not in ("full", "safetensors"):
         raise ValueError(f"--to {to!r}: choose full or safetensors")
@@ -51,6 +52,7 @@ def convert(path: str | Path, to: str, out: str | Path | None = None) -> Path:
         unique = {name: t.detach().contiguous() for name, t in model.items() if name not in aliases}
         save_file(unique, str(tmp / SAFETENSORS), metadata={SAFETENSORS_META: json.dumps(meta, default=str)})
     (tmp / "recipe.yaml").write_text(yaml.safe_dump(state["recipe"], sort_keys=False))
+    write_index(tmp)  # the export is checked like a checkpoint when it is loaded
     if out.exists():
         shutil.rmtree(out)
     os.replace(tmp, out)
@@ -64,6 +66,34 @@ def cmd_convert(args) -> int:
     return 0
 
 
+def cmd_verify(args) -> int:
+    """Every checkpoint of a run (or one checkpoint folder) against its integrity index: exit 1 if any is damaged."""
+    from pipeline.train.checkpoint import INDEX, list_checkpoints, load_checkpoint, verify_checkpoint, write_index
+
+    p = Path(args.path)
+    folders = (list_checkpoints(p / "checkpoints") or list_checkpoints(p)
+               or ([p] if (p / "state.pt").is_file() or (p / INDEX).is_file() else []))
+    if not folders:
+        aside = sorted(q.name for root in (p / "checkpoints", p) if root.is_dir() for q in root.glob("damaged_step_*"))
+        if aside:
+            raise FileNotFoundError(f"no checkpoint under {p} but the ones set aside as damaged ({', '.join(aside)}); "
+                                    f"rename one back to step_XXXXXXXX to check or --adopt it")
+        raise FileNotFoundError(f"no checkpoint under {p}: expected a run folder (runs/NAME) or a checkpoint folder")
+    damaged = 0
+    for folder in folders:
+        if args.adopt and not (folder / INDEX).is_file():
+            load_checkpoint(folder / "state.pt", verify=False)  # must at least load
+            write_index(folder)
+            print(f"{folder}: indexed (adopted as it is now)")
+        problems = verify_checkpoint(folder, checksums=not args.sizes_only)
+        damaged += bool(problems)
+        print(f"{folder}: {'DAMAGED: ' + '; '.join(problems) if problems else 'intact'}")
+    aside = sorted((folders[0].parent).glob("damaged_step_*"))
+    if aside:
+        print(f"(set aside earlier as damaged, never loaded: {', '.join(a.name for a in aside)})")
+    return 1 if damaged else 0
+
+
 def add_checkpoint_parser(sub) -> None:
     s = sub.add_parser("checkpoint", help="checkpoint tools").add_subparsers(dest="checkpoint_command", required=True)
     c = s.add_parser("convert", help="convert a checkpoint of any format (full, sharded, DeepSpeed) to one file")
@@ -71,3 +101,10 @@ def add_checkpoint_parser(sub) -> None:
     c.add_argument("--to", required=True, choices=["full", "safetensors"])
     c.add_argument("--out", default=None, help="output folder (default: RUN/exports/step_XXXXXXXX-<to>)")
     c.set_defaults(fn=cmd_convert)
+    v = s.add_parser("verify", help="check checkpoints against their integrity index (sha256 of every file)")
+    v.add_argument("path", help="run folder (every checkpoint) or one checkpoint folder")
+    v.add_argument("--sizes-only", action="store_true", help="compare file sizes only (fast, catches truncation)")
+    v.add_argument("--adopt", action="store_true",
+                   help="write an index for checkpoints without one (written before grt indexed checkpoints), as "
+                        "they are now: only for checkpoints you trust")
+    v.set_defaults(fn=cmd_verify)

@@ -13,29 +13,44 @@ from typing import Iterator
 import numpy as np
 import torch
 
-from pipeline.tokenize.writer import read_manifest
+from pipeline.tokenize.writer import bad_ids_text, read_manifest, scan_shard
 
 LOADER_STATE_VERSION = 2
 
 
 class TokenShards:
-    """The shards of one split of a tokenized dataset, memory-mapped (nothing is read until used)."""
+    """The shards of one split of a tokenized dataset, memory-mapped (nothing is read until used). A shard file of
+    another size than its manifest says is mapped as it is: :func:`check_shards` reports it before training."""
 
     def __init__(self, dataset_dir: str | Path, split: str):
         self.dir = Path(dataset_dir)
+        self.split = split
         self.manifest = read_manifest(self.dir)
         if split not in self.manifest["splits"]:
             raise KeyError(f"{self.dir}: no split {split!r} (have {sorted(self.manifest['splits'])})")
-        dtype = np.dtype(self.manifest["dtype"])
-        self.arrays = [np.memmap(self.dir / s["file"], dtype=dtype, mode="r")
-                       for s in self.manifest["splits"][split]["shards"]]
+        self.dtype = np.dtype(self.manifest["dtype"]).newbyteorder("<")  # the writer's byte order on any machine
+        self.n_vocab = self.manifest["tokenizer"]["n_vocab"]
+        self.shards = self.manifest["splits"][split]["shards"]  # their manifest entries
+        missing = [s["file"] for s in self.shards if not (self.dir / s["file"]).is_file()]
+        if missing:
+            raise FileNotFoundError(
+                f"the {split} split of the dataset at {self.dir} misses {len(missing)} of its {len(self.shards)} "
+                f"shard files ({', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}): restore them or "
+                f"re-tokenize (grt tokenize RECIPE --force); `grt data verify {self.dir}` lists every problem")
+        self.arrays = [self._map(self.dir / s["file"]) for s in self.shards]
         self.tokens = sum(a.size for a in self.arrays)
+
+    def _map(self, path: Path) -> np.ndarray:
+        n = path.stat().st_size // self.dtype.itemsize  # a trailing partial token is left out
+        if n == 0:  # mmap refuses an empty file
+            return np.zeros(0, dtype=self.dtype)
+        return np.memmap(path, dtype=self.dtype, mode="r", shape=(n,))
 
     def window_index(self, seq_len: int) -> np.ndarray:
         """(shard, start) of every full window of ``seq_len + 1`` tokens."""
         parts = []
         for i, a in enumerate(self.arrays):
-            n = (a.size - 1) // seq_len
+            n = max(a.size - 1, 0) // seq_len
             parts.append(np.stack([np.full(n, i), np.arange(n) * seq_len], axis=1))
         return np.concatenate(parts) if parts else np.zeros((0, 2), dtype=np.int64)
 
@@ -46,10 +61,109 @@ class TokenShards:
         """Window number ``row`` of ``index`` (from :meth:`window_index`)."""
         return self.window(int(index[row, 0]), int(index[row, 1]), seq_len)
 
+    def id_limit(self, vocab_size: int | None) -> tuple[int, str]:
+        """The bound every token id must stay under, and its words: the tokenizer's vocabulary, or the model's
+        when that is smaller (a dataset that does not fit the model is refused before; this is the last guard)."""
+        if vocab_size is not None and vocab_size < self.n_vocab:
+            return vocab_size, "the model's vocabulary size (model.vocab_size)"
+        return self.n_vocab, "the tokenizer's vocabulary size (n_vocab)"
 
-def _to_batch(windows: list[np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
-    data = torch.from_numpy(np.stack(windows))
-    return data[:, :-1].contiguous(), data[:, 1:].contiguous()
+    def bad_id_error(self, window: np.ndarray, shard: int, start: int, limit: int, words: str) -> ValueError:
+        """The error for a window holding a token id >= ``limit``: where the first one is, and what finds all."""
+        i = int(np.argmax(window >= limit))
+        return ValueError(
+            f"token id {int(window[i])} at token offset {start + i:,} of {self.dir / self.shards[shard]['file']} "
+            f"is >= {words} {limit:,}: the dataset is damaged. `grt data verify {self.dir}` finds every such id; "
+            f"re-tokenize it (grt tokenize RECIPE --force)")
+
+
+def _checked_batch(windows: list[np.ndarray], where: list[tuple[TokenShards, int, int]],
+                   limits: list[tuple[int, str]] | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stack windows into (inputs, targets); with ``limits`` (one per window), first make sure every id is below
+    its window's limit: an id out of range would reach the embedding as `index out of range in self`."""
+    data = np.stack(windows)
+    if limits is not None:
+        over = np.flatnonzero(data.max(axis=1) >= np.array([lim for lim, _ in limits]))
+        if over.size:
+            r = int(over[0])
+            shards, shard, start = where[r]
+            raise shards.bad_id_error(data[r], shard, start, *limits[r])
+    t = torch.from_numpy(data)
+    return t[:, :-1].contiguous(), t[:, 1:].contiguous()
+
+
+# ------------------------------------------------------------------------------ checks before step 1
+MAX_LISTED = 5  # shards named in one message; `grt data verify` lists them all
+
+
+def check_shards(shards: TokenShards, vocab_size: int | None = None, verify: str = "size",
+                 share: tuple[int, int] = (0, 1)) -> list[str]:
+    """Every shard of the split against its manifest entry: its size (a stat per file: cheap) and, with ``verify``
+    "full", its sha256 and every token id below :meth:`TokenShards.id_limit` (reads the whole split once; with
+    ``share=(rank, world)`` only every world-th shard from rank: the ranks of a job split the reading).
+    Returns one problem per damaged split, naming each shard with both numbers and the fix; empty when all is good."""
+    if verify not in ("size", "full"):
+        raise ValueError(f"verify={verify!r}: expected 'size' or 'full' (data.verify)")
+    limit, words = shards.id_limit(vocab_size)
+    facts = []
+    rank, world = share
+    for i, s in enumerate(shards.shards):
+        path, itemsize = shards.dir / s["file"], shards.dtype.itemsize
+        size = path.stat().st_size
+        if size != s["tokens"] * itemsize:
+            stray = f" and {size % itemsize} stray byte(s)" if size % itemsize else ""
+            facts.append(f"{s['file']} holds {size // itemsize:,} tokens{stray} ({size:,} bytes), the manifest "
+                         f"says {s['tokens']:,} ({s['tokens'] * itemsize:,} bytes)")
+            continue  # its sha256 cannot match: one fact per shard
+        if verify == "full" and i % world == rank:
+            scan = scan_shard(path, shards.manifest["dtype"], limit)
+            if scan["bad_ids"]:
+                facts.append(bad_ids_text(s["file"], scan, limit, words))
+            if scan["sha256"] != s["sha256"]:
+                facts.append(f"{s['file']} has sha256 {scan['sha256'][:16]}..., the manifest says "
+                             f"{s['sha256'][:16]}...")
+    if not facts:
+        return []
+    more = f" (and {len(facts) - MAX_LISTED} more)" if len(facts) > MAX_LISTED else ""
+    return [f"the {shards.split} split of the dataset at {shards.dir} does not match its manifest: "
+            f"{'; '.join(facts[:MAX_LISTED])}{more}. `grt data verify {shards.dir}` lists every problem; restore the "
+            f"files or re-tokenize (grt tokenize RECIPE --force)"]
+
+
+def window_problems(shards: TokenShards, seq_len: int, more_text: str) -> list[str]:
+    """Why the split has no window of ``seq_len + 1`` tokens (empty when it has one); ``more_text`` says where more
+    text would come from. Windows never cross shards, so ``shard_tokens`` can be the limit rather than the text."""
+    if len(shards.window_index(seq_len)):
+        return []
+    where = f"the {shards.split} split of the dataset at {shards.dir}"
+    shard_tokens = shards.manifest["shard_tokens"]
+    if shard_tokens < seq_len + 1:
+        return [f"{where} has no window of {seq_len + 1:,} tokens (model.block_size+1): data.shard_tokens="
+                f"{shard_tokens:,} < model.block_size+1={seq_len + 1:,} and windows never cross shards; raise "
+                f"data.shard_tokens and re-tokenize (grt tokenize RECIPE --force), or lower model.block_size"]
+    return [f"{where} holds {shards.tokens:,} tokens, fewer than one window of {seq_len + 1:,} "
+            f"(model.block_size+1); {more_text}, or lower model.block_size"]
+
+
+def validation_hint(has_validation_sources: bool, val_fraction: float | None) -> str:
+    """How to get a longer validation split: the knob that made it."""
+    if has_validation_sources:
+        return "add text to data.validation_sources and re-tokenize"
+    return "raise data.val_fraction" + (f" (now {val_fraction:g})" if val_fraction is not None else "") + \
+        " and re-tokenize"
+
+
+def check_windows(train: list[TokenShards], val: TokenShards | None, seq_len: int, *,
+                  has_validation_sources: bool, val_fraction: float) -> list[str]:
+    """Every problem with the windows training will cut, before step 1: each training dataset and the validation
+    split need at least one window of ``seq_len + 1`` tokens. ``has_validation_sources`` and ``val_fraction`` are
+    the recipe's data settings, so that the hint names the knob that made the validation split."""
+    problems = []
+    for d in train:
+        problems += window_problems(d, seq_len, "tokenize more text into it")
+    if val is not None:
+        problems += window_problems(val, seq_len, validation_hint(has_validation_sources, val_fraction))
+    return problems
 
 
 class SequenceLoader:
@@ -62,7 +176,8 @@ class SequenceLoader:
     """
 
     def __init__(self, shards: TokenShards | list[TokenShards], seq_len: int, micro_batch_size: int, seed: int,
-                 rank: int = 0, world_size: int = 1, weights: list[float] | None = None):
+                 rank: int = 0, world_size: int = 1, weights: list[float] | None = None,
+                 vocab_size: int | None = None):
         self.datasets = shards if isinstance(shards, list) else [shards]
         self.weights = [float(w) for w in (weights or [1.0] * len(self.datasets))]
         if len(self.weights) != len(self.datasets):
@@ -71,10 +186,11 @@ class SequenceLoader:
         self.seed, self.rank, self.world_size = seed, rank, world_size
         self.index = [d.window_index(seq_len) for d in self.datasets]
         self.n_samples = [len(i) for i in self.index]
-        for d, n in zip(self.datasets, self.n_samples):
-            if n < 1:
-                raise ValueError(f"the dataset at {d.dir} has no window of {seq_len + 1} tokens; tokenize more text "
-                                 f"or lower model.block_size")
+        for d in self.datasets:
+            for problem in window_problems(d, seq_len, "tokenize more text into it"):
+                raise ValueError(problem)
+        # every window's largest id is checked against this (None: unchecked) before it leaves the loader
+        self.limits = None if vocab_size is None else [d.id_limit(vocab_size) for d in self.datasets]
         self.counts = [0] * len(self.datasets)  # samples consumed over all ranks, per dataset
         self.current = [0.0] * len(self.datasets)  # smooth weighted round-robin state
         self._perm_key, self._perm = None, None
@@ -106,7 +222,10 @@ class SequenceLoader:
         return [(k, self._row(k, j)) for k, j in mine]
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return _to_batch([self.datasets[k].window_at(self.index[k], r, self.seq_len) for k, r in self.next_indices()])
+        picks = self.next_indices()
+        where = [(self.datasets[k], int(self.index[k][r, 0]), int(self.index[k][r, 1])) for k, r in picks]
+        return _checked_batch([d.window(shard, start, self.seq_len) for d, shard, start in where], where,
+                              None if self.limits is None else [self.limits[k] for k, _ in picks])
 
     @property
     def epoch(self) -> float:
@@ -132,16 +251,24 @@ class SequenceLoader:
 
 
 def validation_batches(shards: TokenShards, seq_len: int, batch_size: int, max_tokens: int | None = None,
-                       max_batches: int | None = None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """The validation windows in file order (the same for every run), up to a token or batch budget."""
+                       max_batches: int | None = None,
+                       vocab_size: int | None = None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """The validation windows in file order (the same for every run), up to a token or batch budget; with
+    ``vocab_size``, every id is checked to be in range (as in :class:`SequenceLoader`)."""
     index = shards.window_index(seq_len)
     n = len(index)
     if max_tokens is not None:
         n = min(n, max(1, max_tokens // seq_len))
     if n == 0:
-        raise ValueError(f"the validation split at {shards.dir} is shorter than one window of {seq_len + 1} tokens; "
-                         f"raise data.val_fraction or lower model.block_size")
+        made = shards.manifest.get("data_config") or {}  # the settings that made the split, when recorded
+        fraction = made.get("val_fraction")
+        hint = validation_hint(bool(made.get("validation_sources")),
+                               fraction if isinstance(fraction, (int, float)) else None)
+        raise ValueError(window_problems(shards, seq_len, hint)[0])
+    limit = None if vocab_size is None else shards.id_limit(vocab_size)
     for b, start in enumerate(range(0, n, batch_size)):
         if max_batches is not None and b >= max_batches:
             return
-        yield _to_batch([shards.window_at(index, r, seq_len) for r in range(start, min(start + batch_size, n))])
+        where = [(shards, int(index[r, 0]), int(index[r, 1])) for r in range(start, min(start + batch_size, n))]
+        yield _checked_batch([shards.window(shard, st, seq_len) for _, shard, st in where], where,
+                             None if limit is None else [limit] * len(where))

@@ -15,6 +15,7 @@ import json
 import math
 import os
 import signal
+import sys
 import time
 from pathlib import Path
 
@@ -22,16 +23,21 @@ import torch
 
 from ops import set_backend as set_fused_ops_backend
 from pipeline.config import RunConfig
+from pipeline.exits import TrainingStopped
+from pipeline.locking import FolderLock
 from pipeline.model import model_class, model_info
 from pipeline.tokenize.bpe import tokenizer_identity
 from pipeline.tracking import open_training_tracker
 from pipeline.train.backend import build_backend
 from pipeline.train.callbacks import Callback, ConsoleLogger, TrackerCallback
-from pipeline.train.checkpoint import list_checkpoints, load_checkpoint, prepare_staging, publish, staging_dir
-from pipeline.train.data import SequenceLoader, TokenShards, validation_batches
+from pipeline.train.checkpoint import (INDEX, hash_share, list_checkpoints, load_checkpoint, prepare_staging, publish,
+                                       set_aside, staging_dir, verify_checkpoint)
+from pipeline.train.data import SequenceLoader, TokenShards, check_shards, check_windows, validation_batches
 from pipeline.train.materialize import build_for_training
 from pipeline.train.mfu import device_peak_flops
 from pipeline.train.optim import build_optimizer, lr_at
+from pipeline.train.run_folder import (STOPPED, clear_stopped, cut_metrics_back, lock_run_folder, mark_stopped, recipe_changes,
+                                       release_run_folder, start_fresh_metrics)
 
 
 def check_dataset_matches_model(manifest: dict, cfg: RunConfig, where: str = "the dataset") -> None:
@@ -65,11 +71,20 @@ FAULT_KILL_AT_STEP = int(os.environ.get("GRT_FAULT_KILL_AT_STEP", "0") or 0)
 FAULT_KILL_RANK = int(os.environ["GRT_FAULT_KILL_RANK"]) if os.environ.get("GRT_FAULT_KILL_RANK") else None
 # ... or while saving the checkpoint of this step (its files written, not yet published)
 FAULT_KILL_IN_SAVE = int(os.environ.get("GRT_FAULT_KILL_IN_SAVE", "0") or 0)
+# ... or send this signal (name or number; default SIGINT) to rank 0 itself right after this step: "STEP[:SIGNAL]"
+_fault_signal = os.environ.get("GRT_FAULT_SIGNAL_AT_STEP", "").partition(":")
+FAULT_SIGNAL_AT_STEP = (int(_fault_signal[0] or 0), getattr(signal, _fault_signal[2] or "SIGINT", None)
+                        or signal.Signals(int(_fault_signal[2])))
 # ... or make the loss of these steps NaN (comma-separated), to exercise the non-finite path
 FAULT_NAN_STEPS = {int(x) for x in os.environ.get("GRT_FAULT_NAN_STEPS", "").split(",") if x.strip()}
 
 class BadStepsError(FloatingPointError):
     pass
+
+
+# A second SIGINT this long after the first aborts at once; sooner, it is the same Ctrl-C delivered twice (the
+# terminal signals the whole process group, and torchrun passes the signal it got on to its ranks as well).
+SIGINT_REPEAT_S = 1.0
 
 
 class Trainer:
@@ -87,8 +102,6 @@ class Trainer:
                              f"{self.backend.world_size} ranks and must be a multiple of the world size")
         self.run_dir = cfg.run_dir
         self.ckpt_dir = self.run_dir / "checkpoints"
-        if self.backend.is_main:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
 
         dirs, weights = cfg.data.training_datasets()
         self.dataset_dir = Path(dirs[0])
@@ -97,9 +110,11 @@ class Trainer:
             check_dataset_matches_model(ds.manifest, cfg, f"the dataset at {d}")
         self.val_data = TokenShards(self.dataset_dir, "val")
         self.seq_len = cfg.model.block_size
+        self._check_data()
         self.accum = tc.grad_accum_steps // self.backend.world_size
         self.loader = SequenceLoader(self.train_data, self.seq_len, tc.micro_batch_size, cfg.seed,
-                                     self.backend.rank, self.backend.world_size, weights)
+                                     self.backend.rank, self.backend.world_size, weights,
+                                     vocab_size=cfg.model.vocab_size)
         self.tokens_per_step = tc.micro_batch_size * tc.grad_accum_steps * self.seq_len
 
         self.model_cls = model_class(cfg.model.type)
@@ -113,13 +128,18 @@ class Trainer:
         self.bad_steps = 0
         self.skipped_steps = 0
         self.tracker_run_id = None
-        self._stop_requested = False
+        self._stop_signal, self._stop_time = None, 0.0  # the first SIGTERM/SIGINT received, and when
         self._pending_save = None  # (future or None, step, start time, PeakRSS or None) of the save in flight
-        self._resume()
-        if self.backend.is_main:
-            (self.run_dir / "recipe.yaml").write_text(cfg.to_yaml())
-        # every rank takes part (hostnames are gathered; a store that cannot be reached stops all); None off rank 0
-        self.tracker = open_training_tracker(cfg, self.run_dir, self.tracker_run_id, self.backend)
+        self.tracker = None
+        self.run_lock = self._lock_run_folder()
+        try:
+            self._resume()
+            # every rank takes part (hostnames are gathered; a store that cannot be reached stops all); None off
+            # rank 0
+            self.tracker = open_training_tracker(cfg, self.run_dir, self.tracker_run_id, self.backend)
+        except BaseException:
+            self._release_run_folder()
+            raise
         if self.tracker is not None and self.tracker.run_id:
             self.tracker_run_id = self.tracker.run_id
             (self.run_dir / "run.json").write_text(json.dumps(
@@ -133,23 +153,91 @@ class Trainer:
             self.callbacks = []
 
     # ----------------------------------------------------------------------------------------------- state
+    def _check_data(self) -> None:
+        """Everything about the data that can fail a run, checked before step 1 (all problems at once): every shard's
+        size against its manifest (with data.verify=full also each sha256 and every token id, the ranks sharing the reading), and
+        that every dataset and the validation split hold a window of block_size + 1 tokens."""
+        cfg, be = self.cfg, self.backend
+        share = (be.rank, be.world_size)  # with data.verify=full each rank reads its share of the shards
+        problems = [p for ds in [*self.train_data, self.val_data]
+                    for p in check_shards(ds, cfg.model.vocab_size, cfg.data.verify, share)]
+        problems += check_windows(self.train_data, self.val_data, self.seq_len,
+                                  has_validation_sources=bool(cfg.data.validation_sources),
+                                  val_fraction=cfg.data.val_fraction)
+        if not self.backend.all_true(not problems):
+            raise ValueError(" | ".join(problems) if problems else
+                             f"another rank found problems in the data (data.verify={cfg.data.verify}; see its "
+                             f"error)")
+
+    def _lock_run_folder(self) -> FolderLock | None:
+        self._created_run_dir = not self.run_dir.exists()
+        return lock_run_folder(self.run_dir, self.backend)
+
+    def _release_run_folder(self) -> None:
+        release_run_folder(self.run_lock, self.run_dir, self._created_run_dir)
+        self.run_lock = None
+
+    def _newest_intact_checkpoint(self) -> tuple[Path | None, list[Path]]:
+        """The newest checkpoint that matches its index, every rank hashing its share of the files and all taking
+        the same decision. A damaged one is moved aside by rank 0 (named in a warning) and the next older one tried;
+        one without an index is skipped where it is (it may be a trusted checkpoint of an older grt: --adopt).
+        Returns the choice and the checkpoints skipped for having no index."""
+        be, unindexed = self.backend, []
+        for candidate in reversed(list_checkpoints(self.ckpt_dir)):
+            problems = verify_checkpoint(candidate, share=(be.rank, be.world_size))
+            if be.all_true(not problems):
+                return candidate, unindexed
+            no_index = not (candidate / INDEX).is_file()  # the same answer on every rank
+            if no_index:
+                unindexed.append(candidate)
+            if problems and (be.is_main or not no_index):
+                who = f"rank {be.rank}: " if be.world_size > 1 else ""
+                print(f"warning: {who}checkpoint {candidate} is damaged ({'; '.join(problems)})", file=sys.stderr,
+                      flush=True)
+            be.barrier()
+            if be.is_main:
+                if no_index:
+                    print(f"warning: skipped {candidate} (no index; left where it is); trying the checkpoint "
+                          f"before it", file=sys.stderr, flush=True)
+                else:
+                    print(f"warning: moved {candidate} aside to {set_aside(candidate)} (delete it once inspected); "
+                          f"trying the checkpoint before it", file=sys.stderr, flush=True)
+            be.barrier()
+        return None, unindexed
+
     def _resume(self) -> None:
-        found = list_checkpoints(self.ckpt_dir)
-        if not found:
+        if not list_checkpoints(self.ckpt_dir):
+            start_fresh_metrics(self.run_dir, self.backend.is_main)
             return
         if self.cfg.train.resume == "never":
             raise FileExistsError(f"{self.run_dir} already has checkpoints and train.resume=never; choose another "
                                   f"name= or delete {self.ckpt_dir}")
-        state = load_checkpoint(found[-1], map_location="cpu")
+        newest, unindexed = self._newest_intact_checkpoint()
+        if newest is None and unindexed:
+            raise ValueError(f"no checkpoint under {self.ckpt_dir} can be verified: {len(unindexed)} have no "
+                             f"{INDEX} ({', '.join(c.name for c in unindexed)}; see the warnings). If they were written "
+                             f"by a grt before checkpoints carried an index and you trust them, `grt checkpoint verify "
+                             f"{self.run_dir} --adopt` indexes them; then run this command again")
+        if newest is None:
+            raise ValueError(f"every checkpoint under {self.ckpt_dir} is damaged (each moved aside as damaged_step_*, "
+                             f"see the warnings): nothing to resume from. Start the run over under another name=, "
+                             f"or remove {self.ckpt_dir} to train this one from scratch")
+        state = load_checkpoint(newest, map_location="cpu", verify=False)
         diff = model_config_diff(state["recipe"]["model"], dataclasses.asdict(self.cfg.model))
         if diff:
-            raise ValueError(f"cannot resume {found[-1]}: the model changed since it was saved ({'; '.join(diff)}). "
+            raise ValueError(f"cannot resume {newest}: the model changed since it was saved ({'; '.join(diff)}). "
                              f"Restore the recipe or start a new run under another name=")
-        self.backend.load_model_optimizer(self.model, self.optimizer, found[-1], state)
+        self.backend.load_model_optimizer(self.model, self.optimizer, newest, state)
         self.loader.load_state_dict(state["loader"])
         self.step = state["step"]
         self.skipped_steps = state.get("skipped_steps", 0)
         self.tracker_run_id = state.get("mlflow_run_id")
+        if self.backend.is_main:
+            changes = recipe_changes(state["recipe"], self.cfg.to_dict())
+            if changes:
+                print(f"note: the recipe changed since the checkpoint at step {self.step} ({newest / 'recipe.yaml'}):"
+                      f" {'; '.join(changes)}", file=sys.stderr, flush=True)
+            cut_metrics_back(self.run_dir, self.step)
 
     def save(self) -> Path | None:
         """Every rank takes part; rank 0 publishes the folder atomically once every rank has written its part. With
@@ -186,6 +274,9 @@ class Trainer:
         if pending is not None:
             pending.result()  # raises here if this rank's background write failed
         self.backend.barrier()
+        if self.backend.world_size > 1:  # every rank hashes a share of the files for the index (rank 0 the rest)
+            hash_share(staging_dir(self.ckpt_dir, step), self.backend.rank, self.backend.world_size)
+            self.backend.barrier()
         path = self.ckpt_dir / f"step_{step:08d}"
         if self.backend.is_main:
             path = publish(self.ckpt_dir, step, self.cfg.to_yaml(), self.cfg.train.keep_checkpoints)
@@ -211,7 +302,7 @@ class Trainer:
         self.model.eval()
         total, count = 0.0, 0
         for x, y in validation_batches(self.val_data, self.seq_len, self.cfg.train.micro_batch_size,
-                                       max_batches=self.cfg.train.eval_batches):
+                                       max_batches=self.cfg.train.eval_batches, vocab_size=self.cfg.model.vocab_size):
             with self.autocast():
                 _, loss = self.model(x.to(self.device), y.to(self.device))
             total += loss.item() * y.numel()
@@ -269,14 +360,52 @@ class Trainer:
                 "finite": finite,
                 "mem_gb": torch.cuda.max_memory_allocated() / 2**30 if self.device.type == "cuda" else None}
 
-    def _on_sigterm(self, signum, frame) -> None:
-        self._stop_requested = True
+    def _on_signal(self, signum, frame) -> None:
+        """SIGTERM / the first SIGINT: stop at the next step boundary after saving. A second SIGINT (not the same
+        Ctrl-C delivered twice) aborts at once."""
+        now = time.monotonic()
+        if self._stop_signal is None:
+            self._stop_signal, self._stop_time = signum, now
+            if self.backend.is_main:
+                again = " (Ctrl-C again to abort without saving)" if signum == signal.SIGINT else ""
+                os.write(2, f"\n{signal.Signals(signum).name}: saving at the end of the step in progress, then "
+                            f"stopping{again}\n".encode())
+        elif signum == signal.SIGINT and now - self._stop_time > SIGINT_REPEAT_S:
+            raise KeyboardInterrupt
+
+    def _stop_signal_agreed(self) -> int | None:
+        """The signal every rank stops on at this step boundary (None: go on). All ranks take the same decision;
+        SIGINT wins when any rank got it (a Ctrl-C), else SIGTERM."""
+        if self.backend.all_true(self._stop_signal is None):
+            return None
+        return signal.SIGTERM if self.backend.all_true(self._stop_signal != signal.SIGINT) else signal.SIGINT
+
+    def _validate_or_save(self) -> dict:
+        """Validation that fails (bad data) never costs the finished steps: they are saved before the error rises."""
+        try:
+            return self.validate()
+        except (ValueError, IndexError):
+            if not list_checkpoints(self.ckpt_dir) or list_checkpoints(self.ckpt_dir)[-1].name != \
+                    f"step_{self.step:08d}":
+                self.save()
+                self.finish_save()
+            raise
 
     def fit(self) -> dict:
         tc = self.cfg.train
         status, last_eval = "FAILED", None
-        previous = signal.signal(signal.SIGTERM, self._on_sigterm)
+        handlers = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
         try:
+            if self.step >= tc.max_steps:
+                if self.backend.is_main:
+                    past = "past" if self.step > tc.max_steps else "at"
+                    print(f"train: {self.cfg.name} is already {past} train.max_steps={tc.max_steps} (its newest "
+                          f"checkpoint is step {self.step}): nothing to train. Raise train.max_steps to train "
+                          f"longer; `grt eval {self.run_dir}` evaluates it", flush=True)
+            elif self.backend.is_main:
+                # the recipe of the launch that trains (each checkpoint keeps the one it was trained with)
+                (self.run_dir / "recipe.yaml").write_text(self.cfg.to_yaml())
+                clear_stopped(self.run_dir)
             for cb in self.callbacks:  # inside the try: a callback that fails still closes the tracker and the group
                 cb.on_train_start(self)
             self.model.train()
@@ -298,20 +427,29 @@ class Trainer:
                         f"train.lr or check the data, then resume.")
                 if self.step == FAULT_KILL_AT_STEP and FAULT_KILL_RANK in (None, self.backend.rank):
                     os.kill(os.getpid(), signal.SIGKILL)  # fault injection for the tests: die like `kill -9`
+                if self.step == FAULT_SIGNAL_AT_STEP[0] and self.backend.rank == 0:
+                    os.kill(os.getpid(), FAULT_SIGNAL_AT_STEP[1])  # the tests' Ctrl-C / SIGTERM at a known step
                 if self.step % tc.eval_interval == 0 or self.step == tc.max_steps:
-                    last_eval = self.validate()
+                    last_eval = self._validate_or_save()
                     for cb in self.callbacks:
                         cb.on_eval(self, last_eval)
-                stop = not self.backend.all_true(not self._stop_requested)
+                stop = self._stop_signal_agreed()
                 self.poll_save()
                 if self.step % tc.checkpoint_interval == 0 or self.step == tc.max_steps or stop:
                     self.save()
                 if stop:
                     self.finish_save()
+                if stop and self.step < tc.max_steps:  # (a signal during the last step: the run is finished)
                     status = "KILLED"
+                    name = signal.Signals(stop).name
+                    where = self.ckpt_dir / f"step_{self.step:08d}"
                     if self.backend.is_main:
-                        print(f"SIGTERM: saved step {self.step} to {self.ckpt_dir}; resume with the same command")
-                    return last_eval or {"step": self.step}
+                        mark_stopped(self.run_dir, name, self.step, tc.max_steps, where)
+                    raise TrainingStopped(stop, self.step, where, f"{name}: saved step {self.step} (of "
+                                          f"{tc.max_steps}) to {where}; the run is not finished (exit status "
+                                          f"{128 + stop}, and {self.run_dir / STOPPED} says so): the same command "
+                                          f"resumes it",
+                                          report=self.backend.is_main)
             self.finish_save()
             if last_eval is None:  # resumed at max_steps: report the final loss anyway
                 last_eval = self.validate()
@@ -319,9 +457,14 @@ class Trainer:
             return last_eval
         except KeyboardInterrupt:
             status = "KILLED"
+            if self.backend.is_main:
+                last = list_checkpoints(self.ckpt_dir)
+                print(f"\naborted by a second Ctrl-C at step {self.step}, without saving; the newest checkpoint is "
+                      f"{last[-1] if last else 'none'}", file=sys.stderr, flush=True)
             raise
         finally:
-            signal.signal(signal.SIGTERM, previous)
+            for s, h in handlers.items():
+                signal.signal(s, h)
             if self._pending_save is not None and self._pending_save[0] is not None:
                 # an async save still writing when training failed: let its thread finish before the process groups
                 # it uses are destroyed (it stays unpublished: the other ranks may not have reached it)
@@ -334,6 +477,7 @@ class Trainer:
             if self.tracker is not None:
                 self.tracker.close(status)
             self.backend.close()
+            self._release_run_folder()
 
 
 class PeakRSS:
