@@ -117,7 +117,8 @@ def cmd_run(args) -> int:
 
         wait_for_dataset(cfg.data)
     train(cfg)  # a pre-empted or interrupted run stops here (TrainingStopped: exit 143 / 130), never evaluated
-    evaluate(cfg.run_dir)
+    if int(os.environ.get("RANK", "0")) == 0:  # one evaluation (in one process) per run, not one per rank
+        evaluate(cfg.run_dir)
     return 0
 
 

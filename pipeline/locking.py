@@ -22,7 +22,9 @@ from pathlib import Path
 LOCK_FILE = ".lock"
 FALLBACK_FILE = ".lock.excl"
 _NO_FLOCK = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
-_held: dict[Path, "FolderLock"] = {}  # folders this process holds: a nested acquire (grt run -> train) is a no-op
+# folders this process holds: a nested acquire (two Trainers on one run folder in one notebook) shares the lock,
+# which is dropped when the last of them releases it
+_held: dict[Path, "FolderLock"] = {}
 
 
 class FolderLockedError(FileExistsError):
@@ -73,7 +75,8 @@ class FolderLock:
         self.what, self.fix = what, fix
         self._fd: int | None = None
         self._fallback: Path | None = None
-        self._nested = False
+        self._outer: FolderLock | None = None  # the holder this acquire is nested in
+        self._count = 0  # acquires sharing this holder's lock, itself included
         self.took_over: dict | None = None  # the dead holder's record when a stale lock was taken over
 
     def __enter__(self) -> "FolderLock":
@@ -89,12 +92,16 @@ class FolderLock:
 
     def acquire(self) -> "FolderLock":
         if self.folder in _held:
-            self._nested = True
+            self._outer = _held[self.folder]
+            self._outer._count += 1
             return self
         path = self.folder / LOCK_FILE
         for _ in range(10):  # again while the file we locked was removed or replaced meanwhile (not the lock then)
             self.folder.mkdir(parents=True, exist_ok=True)
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            except FileNotFoundError:  # the folder was removed meanwhile
+                continue
             try:
                 if os.environ.get("GRT_LOCK_FALLBACK"):  # testing hook: behave as on a filesystem without flock
                     raise OSError(errno.ENOLCK, "flock disabled by GRT_LOCK_FALLBACK")
@@ -129,6 +136,7 @@ class FolderLock:
         if self.took_over:
             print(f"note: took over the {self.what} {self.folder} from a job that ended without releasing it: "
                   f"{describe_holder(self.took_over)}", file=sys.stderr, flush=True)
+        self._count = 1
         _held[self.folder] = self
         return self
 
@@ -156,9 +164,15 @@ class FolderLock:
         raise self._refuse(_read_record(path), path)
 
     def release(self) -> None:
-        if self._nested:
-            self._nested = False
+        holder, self._outer = self._outer or self, None
+        if holder._count == 0:  # not held (released already)
             return
+        holder._count -= 1
+        if holder._count:
+            return
+        holder._unlock()
+
+    def _unlock(self) -> None:
         _held.pop(self.folder, None)
         if self._fd is not None:
             os.ftruncate(self._fd, 0)  # emptied, never unlinked: a job opening it now must lock the same file

@@ -98,7 +98,7 @@ def test_eval_refuses_overrides_a_checkpoint_cannot_take(trained, capsys):
     assert "model.d_model=96: the checkpoint was trained with model.d_model=32" in err
     assert "model.n_head=4: the checkpoint was trained with model.n_head=2" in err
     assert "train.lr=0.5: the checkpoint was trained with train.lr=0.001" in err
-    assert "only eval.*, tracking.* and train.device" in err
+    assert "only eval.*, tracking.*, train.device and data.dataset_dir / data.mixture" in err
     code, err = grt(capsys, "eval", trained, "eval.max_step=3")  # a typo in a key eval takes: named as in recipes
     assert code == 2 and "did you mean 'eval.max_steps'" in err
     code, err = grt(capsys, "eval", trained, "model.type=gpt", "model.n_layer=3")

@@ -3,6 +3,7 @@ JSON and PNG in the run folder and logged to the run's MLflow run."""
 from __future__ import annotations
 
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -88,6 +89,11 @@ def evaluate(path: str | Path, overrides: list[str] | None = None, quiet: bool =
     under runs/NAME/eval/ and logged to the run's MLflow run."""
     t0 = time.time()
     model, cfg, state, ckpt = load_trained(path, overrides)
+    stopped = run_dir_of(ckpt) / "stopped.json"
+    if stopped.is_file() and not quiet:
+        info_ = json.loads(stopped.read_text())
+        print(f"note: {run_dir_of(ckpt).name} was stopped by {info_.get('signal')} at step {info_.get('step')} of "
+              f"{info_.get('max_steps')} ({stopped}): this evaluates an unfinished run", file=sys.stderr)
     device = next(model.parameters()).device
     info = model_info(cfg.model)
     ev = cfg.eval

@@ -16,7 +16,6 @@ import datetime
 import math
 import os
 import shutil
-import time
 from pathlib import Path
 
 import torch
@@ -107,16 +106,16 @@ class SingleProcess:
         return model
 
     # ---- collectives (no-ops in one process)
-    def all_true(self, flag: bool) -> bool:
+    def all_true(self, flag: bool, patient: bool = False) -> bool:
         return flag
 
     def reduce_mean(self, value: float) -> float:
         return value
 
-    def barrier(self) -> None:
+    def barrier(self, patient: bool = False) -> None:
         pass
 
-    def close(self) -> None:
+    def close(self, ok: bool = True) -> None:
         pass
 
     # ---- checkpoints. The torch backends (single, ddp, fsdp) share two formats, each loadable by all three at any
@@ -203,6 +202,9 @@ class TorchDistributed(SingleProcess):
         self._checkpoint_group = None
         if cfg.async_checkpoint:
             self._checkpoint_group = dist.new_group(backend="gloo")
+        # for waiting on long work of some ranks (hashing a checkpoint or the dataset, a DeepSpeed conversion): the
+        # training collectives' timeout is for a rank that stopped answering, not for one that is reading 100 GB
+        self._patient_group = dist.new_group(backend="gloo", timeout=PATIENT_TIMEOUT)
 
     def _init_process_group(self, timeout: datetime.timedelta) -> None:
         if not dist.is_initialized():
@@ -214,9 +216,13 @@ class TorchDistributed(SingleProcess):
         # of its own (CPU-capable, and never interleaved with the training's collectives), made at start-up
         return self._checkpoint_group
 
-    def all_true(self, flag: bool) -> bool:
-        t = torch.tensor([0.0 if flag else 1.0], device=self.device)
-        dist.all_reduce(t)
+    def all_true(self, flag: bool, patient: bool = False) -> bool:
+        if patient:
+            t = torch.tensor([0.0 if flag else 1.0])
+            dist.all_reduce(t, group=self._patient_group)
+        else:
+            t = torch.tensor([0.0 if flag else 1.0], device=self.device)
+            dist.all_reduce(t)
         return t.item() == 0.0
 
     def reduce_mean(self, value: float) -> float:
@@ -224,15 +230,19 @@ class TorchDistributed(SingleProcess):
         dist.all_reduce(t)
         return t.item() / self.world_size
 
-    def barrier(self) -> None:
-        dist.barrier()
+    def barrier(self, patient: bool = False) -> None:
+        dist.barrier(group=self._patient_group if patient else None)
 
-    def close(self) -> None:
+    def close(self, ok: bool = True) -> None:
+        """``ok``: every rank got here the same way (finished or stopped together), so they wait for each other
+        before the group goes; after a failure of some ranks that barrier would pair with whatever collective the
+        others are in, so the group is torn down at once (their collectives fail: the error they should see)."""
         if dist.is_initialized():
-            try:
-                dist.barrier()  # nobody tears the group down while a peer is still in a collective
-            except Exception:  # a peer is gone: the error that brought us here is the one to report
-                pass
+            if ok:
+                try:
+                    dist.barrier()  # nobody tears the group down while a peer is still in a collective
+                except Exception:  # a peer is gone: the error that brought us here is the one to report
+                    pass
             dist.destroy_process_group()
 
 
@@ -382,14 +392,13 @@ class DeepSpeed(TorchDistributed):
                 num_merge_workers=2, keep_temp_folder=False, strict=True, inject_missing_state=True))
             write_index(tmp)  # checked before it is reused
             os.replace(tmp, out)
-        # the others wait for the folder outside any collective: a large conversion may outlast the collective
-        # timeout
-        while not out.is_dir():
-            time.sleep(1)
-        self.barrier()
+        # the others wait for rank 0's check or conversion on the patient group: it may outlast the collective timeout
+        self.barrier(patient=True)
         self._engine._config.load_universal_checkpoint = True  # read at load time (the flag is a config entry)
         return "deepspeed_universal"
 
+
+PATIENT_TIMEOUT = datetime.timedelta(hours=6)
 
 BACKENDS = {"single": SingleProcess, "ddp": DDP, "fsdp": FSDP, "deepspeed": DeepSpeed}
 

@@ -16,6 +16,7 @@ import json
 import os
 import re
 import shutil
+import time
 from pathlib import Path
 
 import torch
@@ -72,8 +73,12 @@ def _parallel(fn, items: list) -> list:
 INDEX_PARTS = ".index_parts"  # in a staged checkpoint: each rank's digests of its share of the files
 
 
+UNINDEXED_PARTS = (INDEX_PARTS, "deepspeed_universal", ".deepspeed_universal.tmp")  # not the save's own files
+
+
 def _files_of(folder: Path) -> list[Path]:
-    return [f for f in sorted(folder.rglob("*")) if f.is_file() and f.name != INDEX and INDEX_PARTS not in f.parts]
+    return [f for f in sorted(folder.rglob("*")) if f.is_file() and f.name != INDEX
+            and not any(part in f.relative_to(folder).parts for part in UNINDEXED_PARTS)]
 
 
 def hash_share(folder: Path, rank: int, world: int) -> None:
@@ -98,6 +103,16 @@ def write_index(folder: Path) -> dict:
             known.update(json.loads(f.read_text()))
         shutil.rmtree(parts)
     paths = _files_of(folder)
+    for _ in range(10):  # a shared filesystem may list another node's new file a little late
+        unseen = set(known) - {f.relative_to(folder).as_posix() for f in paths}
+        if not unseen:
+            break
+        time.sleep(1)
+        paths = _files_of(folder)
+    else:
+        raise FileNotFoundError(f"{folder}: files the other ranks wrote and hashed are not visible here "
+                                f"({', '.join(sorted(unseen)[:5])}): the checkpoint folder must be on a filesystem every "
+                                f"rank shares")
     todo = [f for f in paths if known.get(f.relative_to(folder).as_posix(), {}).get("bytes") != f.stat().st_size]
     for f, (sha, size) in zip(todo, _parallel(lambda f: _sha256_and_size(f, sync=True), todo)):
         known[f.relative_to(folder).as_posix()] = {"bytes": size, "sha256": sha}
@@ -172,7 +187,8 @@ def publish(ckpt_root: Path, step: int, recipe_yaml: str, keep: int) -> Path:
         shutil.rmtree(final)
     os.replace(tmp, final)
     _fsync_dir(ckpt_root)
-    for old in list_checkpoints(ckpt_root)[:-keep]:
+    # the last `keep` up to this one (a newer folder, never made by this run, is not this save's to prune)
+    for old in [c for c in list_checkpoints(ckpt_root) if int(STEP_DIR.match(c.name).group(1)) <= step][:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     for stale in ckpt_root.glob(".tmp_step_*"):  # saves a kill interrupted: never loadable, only taking space
         shutil.rmtree(stale, ignore_errors=True)
@@ -277,6 +293,11 @@ def unreadable_as_damage(f: Path):
         yield
     except DamagedCheckpointError:
         raise
+    except (ImportError, AttributeError) as e:  # a pickled class this environment lacks: not damage
+        raise ValueError(f"cannot load {f}: {type(e).__name__}: {e}. It refers to code this environment does not "
+                         f"have: it was saved with other versions of grt, torch or numpy; load it with those") from e
+    except FileNotFoundError as e:
+        raise FileNotFoundError(f"{f} disappeared while being read (a running training pruned it?): {e}") from e
     except Exception as e:  # noqa: BLE001 — the readers raise many types for one cause
         first = (str(e).splitlines() or [""])[0][:200]
         raise DamagedCheckpointError(f"cannot read {f}: {type(e).__name__}: {first}. The file is damaged; use "

@@ -82,7 +82,12 @@ def cmd_verify(args) -> int:
     damaged = 0
     for folder in folders:
         if args.adopt and not (folder / INDEX).is_file():
-            load_checkpoint(folder / "state.pt", verify=False)  # must at least load
+            try:
+                load_checkpoint(folder / "state.pt", verify=False)  # must at least load
+            except (OSError, ValueError) as e:
+                damaged += 1
+                print(f"{folder}: DAMAGED, not adopted: {e}")
+                continue
             write_index(folder)
             print(f"{folder}: indexed (adopted as it is now)")
         problems = verify_checkpoint(folder, checksums=not args.sizes_only)

@@ -129,6 +129,7 @@ class Trainer:
         self.skipped_steps = 0
         self.tracker_run_id = None
         self._stop_signal, self._stop_time = None, 0.0  # the first SIGTERM/SIGINT received, and when
+        self._stopped_together = False  # every rank stopped at the same step boundary (an agreed signal stop)
         self._pending_save = None  # (future or None, step, start time, PeakRSS or None) of the save in flight
         self.tracker = None
         self.run_lock = self._lock_run_folder()
@@ -164,7 +165,7 @@ class Trainer:
         problems += check_windows(self.train_data, self.val_data, self.seq_len,
                                   has_validation_sources=bool(cfg.data.validation_sources),
                                   val_fraction=cfg.data.val_fraction)
-        if not self.backend.all_true(not problems):
+        if not self.backend.all_true(not problems, patient=True):
             raise ValueError(" | ".join(problems) if problems else
                              f"another rank found problems in the data (data.verify={cfg.data.verify}; see its "
                              f"error)")
@@ -185,7 +186,15 @@ class Trainer:
         be, unindexed = self.backend, []
         for candidate in reversed(list_checkpoints(self.ckpt_dir)):
             problems = verify_checkpoint(candidate, share=(be.rank, be.world_size))
-            if be.all_true(not problems):
+            if be.all_true(not problems, patient=True):
+                if unindexed and be.is_main:  # newer than the one resumed: out of the way of saves and pruning
+                    for c in unindexed:
+                        moved = c.with_name(f"unindexed_{c.name}")
+                        os.replace(c, moved)
+                        print(f"warning: renamed {c} (no index) to {moved.name}: training goes on from {candidate}. "
+                              f"If you trust it, stop, rename it back and run `grt checkpoint verify {self.run_dir} "
+                              f"--adopt`", file=sys.stderr, flush=True)
+                be.barrier()
                 return candidate, unindexed
             no_index = not (candidate / INDEX).is_file()  # the same answer on every rank
             if no_index:
@@ -194,7 +203,7 @@ class Trainer:
                 who = f"rank {be.rank}: " if be.world_size > 1 else ""
                 print(f"warning: {who}checkpoint {candidate} is damaged ({'; '.join(problems)})", file=sys.stderr,
                       flush=True)
-            be.barrier()
+            be.barrier(patient=True)
             if be.is_main:
                 if no_index:
                     print(f"warning: skipped {candidate} (no index; left where it is); trying the checkpoint "
@@ -202,11 +211,16 @@ class Trainer:
                 else:
                     print(f"warning: moved {candidate} aside to {set_aside(candidate)} (delete it once inspected); "
                           f"trying the checkpoint before it", file=sys.stderr, flush=True)
-            be.barrier()
+            be.barrier(patient=True)
         return None, unindexed
 
     def _resume(self) -> None:
         if not list_checkpoints(self.ckpt_dir):
+            aside = sorted(self.ckpt_dir.glob("damaged_step_*")) if self.ckpt_dir.is_dir() else []
+            if aside:  # a relaunch after "every checkpoint is damaged" must not quietly start over
+                raise ValueError(f"{self.ckpt_dir} holds only checkpoints set aside as damaged ("
+                                 f"{', '.join(a.name for a in aside)}): nothing to resume from. Start the run over "
+                                 f"under another name=, or remove {self.ckpt_dir} to train this one from scratch")
             start_fresh_metrics(self.run_dir, self.backend.is_main)
             return
         if self.cfg.train.resume == "never":
@@ -276,11 +290,11 @@ class Trainer:
         self.backend.barrier()
         if self.backend.world_size > 1:  # every rank hashes a share of the files for the index (rank 0 the rest)
             hash_share(staging_dir(self.ckpt_dir, step), self.backend.rank, self.backend.world_size)
-            self.backend.barrier()
+            self.backend.barrier(patient=True)
         path = self.ckpt_dir / f"step_{step:08d}"
         if self.backend.is_main:
             path = publish(self.ckpt_dir, step, self.cfg.to_yaml(), self.cfg.train.keep_checkpoints)
-        self.backend.barrier()
+        self.backend.barrier(patient=True)
         info = {"checkpoint": step, "format": self.cfg.train.resolved_checkpoint_format(),
                 "checkpoint_s": time.perf_counter() - t0}
         if rss is not None:
@@ -398,6 +412,7 @@ class Trainer:
         try:
             if self.step >= tc.max_steps:
                 if self.backend.is_main:
+                    clear_stopped(self.run_dir)  # finished by this max_steps, whatever stopped it before
                     past = "past" if self.step > tc.max_steps else "at"
                     print(f"train: {self.cfg.name} is already {past} train.max_steps={tc.max_steps} (its newest "
                           f"checkpoint is step {self.step}): nothing to train. Raise train.max_steps to train "
@@ -429,18 +444,19 @@ class Trainer:
                     os.kill(os.getpid(), signal.SIGKILL)  # fault injection for the tests: die like `kill -9`
                 if self.step == FAULT_SIGNAL_AT_STEP[0] and self.backend.rank == 0:
                     os.kill(os.getpid(), FAULT_SIGNAL_AT_STEP[1])  # the tests' Ctrl-C / SIGTERM at a known step
-                if self.step % tc.eval_interval == 0 or self.step == tc.max_steps:
+                stop = self._stop_signal_agreed()
+                # stopping: the save comes first (launchers give the ranks ~30 s after a signal)
+                if (self.step % tc.eval_interval == 0 and not stop) or self.step == tc.max_steps:
                     last_eval = self._validate_or_save()
                     for cb in self.callbacks:
                         cb.on_eval(self, last_eval)
-                stop = self._stop_signal_agreed()
                 self.poll_save()
                 if self.step % tc.checkpoint_interval == 0 or self.step == tc.max_steps or stop:
                     self.save()
                 if stop:
                     self.finish_save()
                 if stop and self.step < tc.max_steps:  # (a signal during the last step: the run is finished)
-                    status = "KILLED"
+                    status, self._stopped_together = "KILLED", True
                     name = signal.Signals(stop).name
                     where = self.ckpt_dir / f"step_{self.step:08d}"
                     if self.backend.is_main:
@@ -463,21 +479,28 @@ class Trainer:
                       f"{last[-1] if last else 'none'}", file=sys.stderr, flush=True)
             raise
         finally:
-            for s, h in handlers.items():
-                signal.signal(s, h)
-            if self._pending_save is not None and self._pending_save[0] is not None:
-                # an async save still writing when training failed: let its thread finish before the process groups
-                # it uses are destroyed (it stays unpublished: the other ranks may not have reached it)
-                try:
-                    self._pending_save[0].result()
-                except Exception:  # noqa: BLE001 — the error that brought us here is the one to report
-                    pass
-            for cb in self.callbacks:
-                cb.on_train_end(self, status)
-            if self.tracker is not None:
-                self.tracker.close(status)
-            self.backend.close()
-            self._release_run_folder()
+            signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C now would cut the clean-up and hide the report
+            try:
+                self._clean_up(status)
+            finally:
+                for s, h in handlers.items():
+                    signal.signal(s, h)
+
+    def _clean_up(self, status: str) -> None:
+        if self._pending_save is not None and self._pending_save[0] is not None:
+            # an async save still writing when training failed: let its thread finish before the process groups
+            # it uses are destroyed (it stays unpublished: the other ranks may not have reached it)
+            try:
+                self._pending_save[0].result()
+            except Exception:  # noqa: BLE001 — the error that brought us here is the one to report
+                pass
+        for cb in self.callbacks:
+            cb.on_train_end(self, status)
+        if self.tracker is not None:
+            self.tracker.close(status)
+        # every rank ends together after a finish or an agreed stop; after a failure or an abort, at once
+        self.backend.close(ok=status == "FINISHED" or self._stopped_together)
+        self._release_run_folder()
 
 
 class PeakRSS:
