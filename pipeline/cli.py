@@ -102,22 +102,20 @@ def cmd_eval(args) -> int:
 
 def cmd_run(args) -> int:
     """tokenize (reused when up to date) -> train (resumes) -> eval."""
-    from pipeline.eval.stage import evaluate
+    from pipeline.eval.stage import check_inputs, evaluate
     from pipeline.tokenize import tokenize
+    from pipeline.tokenize.stage import wait_for_dataset
     from pipeline.train.trainer import train
 
-    from pipeline.eval.stage import check_inputs
-
     cfg = _recipe(args)
-    check_inputs(cfg, cfg.run_dir / "eval")  # what eval will need, before anything trains
-    if int(os.environ.get("RANK", "0")) == 0:
+    first = int(os.environ.get("RANK", "0")) == 0  # under torchrun: rank 0 tokenizes and evaluates
+    if first:
+        check_inputs(cfg, cfg.run_dir / "eval")  # what eval will need, before anything trains
         tokenize(cfg.data)
-    else:  # under torchrun: rank 0 tokenizes (a failure there ends the job); the others wait for its dataset
-        from pipeline.tokenize.stage import wait_for_dataset
-
+    else:  # rank 0 tokenizes (a failure there ends the job); the others wait for its dataset
         wait_for_dataset(cfg.data)
     train(cfg)  # a pre-empted or interrupted run stops here (TrainingStopped: exit 143 / 130), never evaluated
-    if int(os.environ.get("RANK", "0")) == 0:  # one evaluation (in one process) per run, not one per rank
+    if first:  # one evaluation (in one process) per run, not one per rank
         evaluate(cfg.run_dir)
     return 0
 

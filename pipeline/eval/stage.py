@@ -64,7 +64,7 @@ def load_trained(path: str | Path, overrides: list[str] | None = None, device: s
     """(model in eval mode, recipe, checkpoint state, checkpoint file) from a run folder or checkpoint;
     ``train.device=...`` among the overrides picks the device."""
     ckpt = resolve_checkpoint(path)
-    state = load_checkpoint(ckpt)
+    state = load_checkpoint(ckpt, verify=False)  # verified by resolve_checkpoint
     overrides = list(overrides or [])
     cfg = eval_recipe(state["recipe"], overrides, f"grt eval {path}")
     if any(ov.split("=", 1)[0].strip() == "train.device" for ov in overrides):

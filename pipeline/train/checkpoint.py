@@ -167,6 +167,11 @@ class DamagedCheckpointError(ValueError):
     pass
 
 
+def set_aside_names(*roots: Path) -> list[str]:
+    """The checkpoints set aside as damaged in these folders (``damaged_step_*``), by name."""
+    return sorted(q.name for root in roots if root.is_dir() for q in root.glob("damaged_step_*"))
+
+
 def set_aside(folder: Path) -> Path:
     """Rename a damaged checkpoint out of the way (kept for inspection, never loaded, never counted by ``keep``)."""
     target = folder.with_name(f"damaged_{folder.name}")
@@ -210,20 +215,10 @@ def needs_index(folder: Path) -> bool:
     return bool(STEP_DIR.match(folder.name)) or folder.parent.name == "exports" or (folder / INDEX).is_file()
 
 
-_verified: set = set()  # (folder, index mtime) checked intact by this process: resolve + load hash once
-
-
 def check_intact(folder: Path, checksums: bool = True) -> None:
     """Raise :class:`DamagedCheckpointError` naming the checkpoint, what is wrong and the newest intact one beside it."""
-    if not needs_index(folder):
-        return
-    index = folder / INDEX
-    key = (str(folder.resolve()), index.stat().st_mtime_ns if index.is_file() else None, checksums)
-    if key in _verified:
-        return
-    problems = verify_checkpoint(folder, checksums)
+    problems = verify_checkpoint(folder, checksums) if needs_index(folder) else []
     if not problems:
-        _verified.add(key)
         return
     other = next((c for c in reversed(list_checkpoints(folder.parent))
                   if c != folder and not verify_checkpoint(c, checksums=False)), None)
@@ -255,7 +250,7 @@ def resolve_checkpoint(path: str | Path, verify: bool = True) -> Path:
         if verify:
             check_intact(found_file.parent)
         return found_file
-    aside = sorted(q.name for root in (p / "checkpoints", p) if root.is_dir() for q in root.glob("damaged_step_*"))
+    aside = set_aside_names(p / "checkpoints", p)
     if aside:
         raise DamagedCheckpointError(f"no intact checkpoint under {p}: the only ones there were set aside as damaged "
                                      f"({', '.join(aside)}); train the run again (`grt train RECIPE`)")

@@ -30,7 +30,7 @@ def convert(path: str | Path, to: str, out: str | Path | None = None) -> Path:
     if to not in ("full", "safetensors"):
         raise ValueError(f"--to {to!r}: choose full or safetensors")
     ckpt = resolve_checkpoint(path)
-    state = load_checkpoint(ckpt)
+    state = load_checkpoint(ckpt, verify=False)  # verified by resolve_checkpoint
     source = checkpoint_format_of(ckpt.parent, state)
     out = Path(out) if out else default_out(ckpt, state, to)
     model = full_model_state(ckpt, state)
@@ -68,13 +68,14 @@ def cmd_convert(args) -> int:
 
 def cmd_verify(args) -> int:
     """Every checkpoint of a run (or one checkpoint folder) against its integrity index: exit 1 if any is damaged."""
-    from pipeline.train.checkpoint import INDEX, list_checkpoints, load_checkpoint, verify_checkpoint, write_index
+    from pipeline.train.checkpoint import (INDEX, list_checkpoints, load_checkpoint, set_aside_names, verify_checkpoint,
+                                           write_index)
 
     p = Path(args.path)
     folders = (list_checkpoints(p / "checkpoints") or list_checkpoints(p)
                or ([p] if (p / "state.pt").is_file() or (p / INDEX).is_file() else []))
     if not folders:
-        aside = sorted(q.name for root in (p / "checkpoints", p) if root.is_dir() for q in root.glob("damaged_step_*"))
+        aside = set_aside_names(p / "checkpoints", p)
         if aside:
             raise FileNotFoundError(f"no checkpoint under {p} but the ones set aside as damaged ({', '.join(aside)}); "
                                     f"rename one back to step_XXXXXXXX to check or --adopt it")
@@ -93,9 +94,9 @@ def cmd_verify(args) -> int:
         problems = verify_checkpoint(folder, checksums=not args.sizes_only)
         damaged += bool(problems)
         print(f"{folder}: {'DAMAGED: ' + '; '.join(problems) if problems else 'intact'}")
-    aside = sorted((folders[0].parent).glob("damaged_step_*"))
+    aside = set_aside_names(folders[0].parent)
     if aside:
-        print(f"(set aside earlier as damaged, never loaded: {', '.join(a.name for a in aside)})")
+        print(f"(set aside earlier as damaged, never loaded: {', '.join(aside)})")
     return 1 if damaged else 0
 
 

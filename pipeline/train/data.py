@@ -57,10 +57,6 @@ class TokenShards:
     def window(self, shard: int, start: int, seq_len: int) -> np.ndarray:
         return np.asarray(self.arrays[shard][start:start + seq_len + 1], dtype=np.int64)
 
-    def window_at(self, index: np.ndarray, row: int, seq_len: int) -> np.ndarray:
-        """Window number ``row`` of ``index`` (from :meth:`window_index`)."""
-        return self.window(int(index[row, 0]), int(index[row, 1]), seq_len)
-
     def id_limit(self, vocab_size: int | None) -> tuple[int, str]:
         """The bound every token id must stay under, and its words: the tokenizer's vocabulary, or the model's
         when that is smaller (a dataset that does not fit the model is refused before; this is the last guard)."""
@@ -133,7 +129,7 @@ def check_shards(shards: TokenShards, vocab_size: int | None = None, verify: str
 def window_problems(shards: TokenShards, seq_len: int, more_text: str) -> list[str]:
     """Why the split has no window of ``seq_len + 1`` tokens (empty when it has one); ``more_text`` says where more
     text would come from. Windows never cross shards, so ``shard_tokens`` can be the limit rather than the text."""
-    if len(shards.window_index(seq_len)):
+    if any(a.size > seq_len for a in shards.arrays):  # one shard holding a window is enough
         return []
     where = f"the {shards.split} split of the dataset at {shards.dir}"
     shard_tokens = shards.manifest["shard_tokens"]
@@ -186,9 +182,9 @@ class SequenceLoader:
         self.seed, self.rank, self.world_size = seed, rank, world_size
         self.index = [d.window_index(seq_len) for d in self.datasets]
         self.n_samples = [len(i) for i in self.index]
-        for d in self.datasets:
-            for problem in window_problems(d, seq_len, "tokenize more text into it"):
-                raise ValueError(problem)
+        for d, n in zip(self.datasets, self.n_samples):
+            if n < 1:
+                raise ValueError(window_problems(d, seq_len, "tokenize more text into it")[0])
         # every window's largest id is checked against this (None: unchecked) before it leaves the loader
         self.limits = None if vocab_size is None else [d.id_limit(vocab_size) for d in self.datasets]
         self.counts = [0] * len(self.datasets)  # samples consumed over all ranks, per dataset

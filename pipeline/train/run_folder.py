@@ -1,4 +1,5 @@
-"""A run folder's bookkeeping around training: the one-job lock, one metrics history, what changed in the recipe.
+"""A run folder's bookkeeping around training: the one-job lock, the checkpoint to resume (verified), one metrics
+history, what changed in the recipe, whether the run was stopped.
 
 ``runs/NAME/`` is owned by one job (rank 0 holds ``.lock``, see :mod:`pipeline.locking`); ``metrics.jsonl`` holds
 one history (a resume cuts it back to the resumed step, a restart from step 0 moves the older one aside); each
@@ -14,6 +15,7 @@ import time
 from pathlib import Path
 
 from pipeline.locking import FALLBACK_FILE, LOCK_FILE, FolderLock, FolderLockedError
+from pipeline.train.checkpoint import INDEX, list_checkpoints, set_aside, verify_checkpoint
 
 METRICS = "metrics.jsonl"
 
@@ -43,6 +45,44 @@ def release_run_folder(lock: FolderLock | None, run_dir: Path, created: bool) ->
     if created and run_dir.is_dir() and not any(p.name not in (LOCK_FILE, FALLBACK_FILE) for p in run_dir.iterdir()):
         shutil.rmtree(run_dir, ignore_errors=True)
     lock.release()
+
+
+def newest_intact_checkpoint(ckpt_dir: Path, run_dir: Path, be) -> tuple[Path | None, list[Path]]:
+    """The newest checkpoint that matches its index, every rank hashing its share of the files and all taking
+    the same decision. A damaged one is moved aside by rank 0 (named in a warning) and the next older one tried;
+    one without an index is skipped (it may be a trusted checkpoint of an older grt: --adopt) and, when an older
+    one is resumed, renamed unindexed_step_* out of the way of saves and pruning. Returns the choice and the
+    checkpoints skipped for having no index."""
+    unindexed = []
+    for candidate in reversed(list_checkpoints(ckpt_dir)):
+        problems = verify_checkpoint(candidate, share=(be.rank, be.world_size))
+        if be.all_true(not problems, patient=True):
+            if unindexed and be.is_main:  # newer than the one resumed: out of the way of saves and pruning
+                for c in unindexed:
+                    moved = c.with_name(f"unindexed_{c.name}")
+                    os.replace(c, moved)
+                    print(f"warning: renamed {c} (no index) to {moved.name}: training goes on from {candidate}. "
+                          f"If you trust it, stop, rename it back and run `grt checkpoint verify {run_dir} "
+                          f"--adopt`", file=sys.stderr, flush=True)
+            be.barrier()
+            return candidate, unindexed
+        no_index = not (candidate / INDEX).is_file()  # the same answer on every rank
+        if no_index:
+            unindexed.append(candidate)
+        if problems and (be.is_main or not no_index):
+            who = f"rank {be.rank}: " if be.world_size > 1 else ""
+            print(f"warning: {who}checkpoint {candidate} is damaged ({'; '.join(problems)})", file=sys.stderr,
+                  flush=True)
+        be.barrier(patient=True)
+        if be.is_main:
+            if no_index:
+                print(f"warning: skipped {candidate} (no index; left where it is); trying the checkpoint "
+                      f"before it", file=sys.stderr, flush=True)
+            else:
+                print(f"warning: moved {candidate} aside to {set_aside(candidate)} (delete it once inspected); "
+                      f"trying the checkpoint before it", file=sys.stderr, flush=True)
+        be.barrier(patient=True)
+    return None, unindexed
 
 
 def start_fresh_metrics(run_dir: Path, is_main: bool) -> None:

@@ -31,13 +31,14 @@ from pipeline.tracking import open_training_tracker
 from pipeline.train.backend import build_backend
 from pipeline.train.callbacks import Callback, ConsoleLogger, TrackerCallback
 from pipeline.train.checkpoint import (INDEX, hash_share, list_checkpoints, load_checkpoint, prepare_staging, publish,
-                                       set_aside, staging_dir, verify_checkpoint)
+                                       set_aside_names, staging_dir)
 from pipeline.train.data import SequenceLoader, TokenShards, check_shards, check_windows, validation_batches
 from pipeline.train.materialize import build_for_training
 from pipeline.train.mfu import device_peak_flops
 from pipeline.train.optim import build_optimizer, lr_at
-from pipeline.train.run_folder import (STOPPED, clear_stopped, cut_metrics_back, lock_run_folder, mark_stopped, recipe_changes,
-                                       release_run_folder, start_fresh_metrics)
+from pipeline.train.run_folder import (STOPPED, clear_stopped, cut_metrics_back, lock_run_folder, mark_stopped,
+                                       newest_intact_checkpoint, recipe_changes, release_run_folder,
+                                       start_fresh_metrics)
 
 
 def check_dataset_matches_model(manifest: dict, cfg: RunConfig, where: str = "the dataset") -> None:
@@ -178,55 +179,19 @@ class Trainer:
         release_run_folder(self.run_lock, self.run_dir, self._created_run_dir)
         self.run_lock = None
 
-    def _newest_intact_checkpoint(self) -> tuple[Path | None, list[Path]]:
-        """The newest checkpoint that matches its index, every rank hashing its share of the files and all taking
-        the same decision. A damaged one is moved aside by rank 0 (named in a warning) and the next older one tried;
-        one without an index is skipped where it is (it may be a trusted checkpoint of an older grt: --adopt).
-        Returns the choice and the checkpoints skipped for having no index."""
-        be, unindexed = self.backend, []
-        for candidate in reversed(list_checkpoints(self.ckpt_dir)):
-            problems = verify_checkpoint(candidate, share=(be.rank, be.world_size))
-            if be.all_true(not problems, patient=True):
-                if unindexed and be.is_main:  # newer than the one resumed: out of the way of saves and pruning
-                    for c in unindexed:
-                        moved = c.with_name(f"unindexed_{c.name}")
-                        os.replace(c, moved)
-                        print(f"warning: renamed {c} (no index) to {moved.name}: training goes on from {candidate}. "
-                              f"If you trust it, stop, rename it back and run `grt checkpoint verify {self.run_dir} "
-                              f"--adopt`", file=sys.stderr, flush=True)
-                be.barrier()
-                return candidate, unindexed
-            no_index = not (candidate / INDEX).is_file()  # the same answer on every rank
-            if no_index:
-                unindexed.append(candidate)
-            if problems and (be.is_main or not no_index):
-                who = f"rank {be.rank}: " if be.world_size > 1 else ""
-                print(f"warning: {who}checkpoint {candidate} is damaged ({'; '.join(problems)})", file=sys.stderr,
-                      flush=True)
-            be.barrier(patient=True)
-            if be.is_main:
-                if no_index:
-                    print(f"warning: skipped {candidate} (no index; left where it is); trying the checkpoint "
-                          f"before it", file=sys.stderr, flush=True)
-                else:
-                    print(f"warning: moved {candidate} aside to {set_aside(candidate)} (delete it once inspected); "
-                          f"trying the checkpoint before it", file=sys.stderr, flush=True)
-            be.barrier(patient=True)
-        return None, unindexed
-
     def _resume(self) -> None:
         if not list_checkpoints(self.ckpt_dir):
-            aside = sorted(self.ckpt_dir.glob("damaged_step_*")) if self.ckpt_dir.is_dir() else []
+            aside = set_aside_names(self.ckpt_dir)
             if aside:  # a relaunch after "every checkpoint is damaged" must not quietly start over
                 raise ValueError(f"{self.ckpt_dir} holds only checkpoints set aside as damaged ("
-                                 f"{', '.join(a.name for a in aside)}): nothing to resume from. Start the run over "
+                                 f"{', '.join(aside)}): nothing to resume from. Start the run over "
                                  f"under another name=, or remove {self.ckpt_dir} to train this one from scratch")
             start_fresh_metrics(self.run_dir, self.backend.is_main)
             return
         if self.cfg.train.resume == "never":
             raise FileExistsError(f"{self.run_dir} already has checkpoints and train.resume=never; choose another "
                                   f"name= or delete {self.ckpt_dir}")
-        newest, unindexed = self._newest_intact_checkpoint()
+        newest, unindexed = newest_intact_checkpoint(self.ckpt_dir, self.run_dir, self.backend)
         if newest is None and unindexed:
             raise ValueError(f"no checkpoint under {self.ckpt_dir} can be verified: {len(unindexed)} have no "
                              f"{INDEX} ({', '.join(c.name for c in unindexed)}; see the warnings). If they were written "
@@ -399,8 +364,7 @@ class Trainer:
         try:
             return self.validate()
         except (ValueError, IndexError):
-            if not list_checkpoints(self.ckpt_dir) or list_checkpoints(self.ckpt_dir)[-1].name != \
-                    f"step_{self.step:08d}":
+            if not (self.ckpt_dir / f"step_{self.step:08d}").is_dir():
                 self.save()
                 self.finish_save()
             raise
