@@ -19,7 +19,7 @@ from typing import Any, Optional
 
 # the recipe files' side (YAML, base: chains, overrides, folders a file blocks), re-exported: one import for callers
 from pipeline.recipe_files import (RecipeError, apply_overrides, deep_merge, file_in_the_way,  # noqa: F401
-                                   folder_problem, load_yaml_with_bases)
+                                   folder_problem, load_yaml_with_bases, sqlite_file)
 
 # ----------------------------------------------------------------------------------------------------------- schema
 # Model sections are chosen by `model.type` through the model registry (pipeline/model/registry.py), so a new
@@ -514,8 +514,8 @@ def path_problems(cfg: RunConfig) -> list[str]:
     folders += [(f"data.mixture[{i}].dataset_dir", m.dataset_dir) for i, m in enumerate(cfg.data.mixture)]
     if cfg.eval.task_data_dir:
         folders.append(("eval.task_data_dir", cfg.eval.task_data_dir))
-    if cfg.tracking.uri.startswith("sqlite:///"):  # the MLflow database file's folder
-        folders.append(("tracking.uri", Path(cfg.tracking.uri[len("sqlite:///"):]).parent, cfg.tracking.uri))
+    if sqlite_file(cfg.tracking.uri) is not None:  # the MLflow database file's folder
+        folders.append(("tracking.uri", sqlite_file(cfg.tracking.uri).parent, cfg.tracking.uri))
     problems = [p for key, path, *value in folders if (p := folder_problem(key, path, *value))]
     if len(problems) > 1 and problems[0].startswith("out_dir=") and problems[1].startswith("out_dir/name="):
         del problems[1]  # the same file in the way

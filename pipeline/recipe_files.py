@@ -105,3 +105,12 @@ def folder_problem(key: str, path: str | Path, value: Any = None) -> str | None:
         return None
     return (f"{key}={str(path if value is None else value)!r}: {blocker} is a file, not a folder, so nothing can be "
             f"written there; point {key} at a folder (or move {blocker} away)")
+
+
+SQLITE = "sqlite:///"
+
+
+def sqlite_file(uri: str) -> Path | None:
+    """The database file of a ``sqlite:///PATH`` tracking URI (relative to the working folder unless absolute);
+    None for any other kind of store."""
+    return Path(uri[len(SQLITE):]) if uri.startswith(SQLITE) else None

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.config import RunConfig, TrackingConfig
+from pipeline.recipe_files import SQLITE, sqlite_file
 from pipeline.tracking_sync import BUFFER_FILE, TrackingBuffer
 
 MAX_PARAM_LEN = 6000
@@ -65,9 +66,9 @@ class NullTracker:
 
 def resolve_uri(uri: str) -> str:
     """Make a relative sqlite path absolute, so every process (and `mlflow ui` started here) sees the same file."""
-    prefix = "sqlite:///"
-    if uri.startswith(prefix) and not uri[len(prefix):].startswith("/"):
-        return prefix + str(Path(uri[len(prefix):]).resolve())
+    db = sqlite_file(uri)
+    if db is not None and not db.is_absolute():
+        return SQLITE + str(db.resolve())
     return uri
 
 

@@ -15,7 +15,7 @@ import tempfile
 from pathlib import Path
 from urllib.parse import unquote, urlparse
 
-from pipeline.config import TrackingConfig, folder_problem
+from pipeline.config import TrackingConfig, folder_problem, sqlite_file
 from pipeline.eval.plots import plot_exit_curves
 from pipeline.tracking import resolve_uri
 
@@ -46,8 +46,8 @@ def _missing_folder(run: str) -> str:
 
 def _local_store(uri: str) -> Path | None:
     """The file or folder of an MLflow store on this machine (sqlite database, file store); None for a server."""
-    if uri.startswith("sqlite:///"):
-        return Path(uri[len("sqlite:///"):])
+    if sqlite_file(uri) is not None:
+        return sqlite_file(uri)
     if uri.startswith("file:"):
         return Path(unquote(urlparse(uri).path))
     return None if "://" in uri else Path(uri)

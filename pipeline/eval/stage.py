@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from pipeline.config import (RecipeError, RunConfig, apply_overrides, file_in_the_way, folder_problem,
-                             from_dict)
+                             from_dict, sqlite_file)
 from pipeline.model import build_model, model_class, model_info
 from pipeline.tracking import open_tracker
 from pipeline.train.backend import pick_device
@@ -170,8 +170,8 @@ def check_inputs(cfg: RunConfig, out_dir: Path) -> list[dict]:
         raise NotADirectoryError(f"{blocker} is a file, not a folder, so the results cannot be written to {out_dir}; "
                                  f"move {blocker} away")
     uri = cfg.tracking.uri
-    if cfg.tracking.enabled and uri.startswith("sqlite:///"):
-        problem = folder_problem("tracking.uri", Path(uri[len("sqlite:///"):]).parent, uri)
+    if cfg.tracking.enabled and sqlite_file(uri) is not None:
+        problem = folder_problem("tracking.uri", sqlite_file(uri).parent, uri)
         if problem:
             raise NotADirectoryError(problem)
     if cfg.eval.tasks:
