@@ -233,6 +233,15 @@ def bad_ids_text(file: str, scan: dict, n_vocab: int, limit_words: str = "the vo
             f"({scan['first_bad_value']}) at token offset {scan['first_bad']:,}")
 
 
+def shard_size_problem(name: str, size: int, tokens: int, itemsize: int) -> str | None:
+    """A shard file of ``size`` bytes against the manifest's ``tokens``: the mismatch in words, or None."""
+    if size == tokens * itemsize:
+        return None
+    stray = f" and {size % itemsize} stray byte(s)" if size % itemsize else ""
+    return (f"{name} holds {size // itemsize:,} tokens{stray} ({size:,} bytes), the manifest says {tokens:,} "
+            f"({tokens * itemsize:,} bytes)")
+
+
 def verify_dataset(dataset_dir: str | Path, checksums: bool = True) -> list[str]:
     """Recheck every shard and index against the manifest; returns the problems (empty: all good). With ``checksums``
     every file's sha256 and every token id (below the tokenizer's n_vocab) are checked, in one read of the data;
@@ -259,9 +268,9 @@ def verify_dataset(dataset_dir: str | Path, checksums: bool = True) -> list[str]
                     problems.append(f"{split}: " + bad_ids_text(sh[key], scan, n_vocab,
                                                                 "the tokenizer's vocabulary size (n_vocab)"))
             f = d / sh["file"]
-            if f.is_file() and f.stat().st_size != sh["tokens"] * itemsize:
-                problems.append(f"{split}: {sh['file']} holds {f.stat().st_size // itemsize} tokens, manifest says "
-                                f"{sh['tokens']}")
+            wrong_size = f.is_file() and shard_size_problem(sh["file"], f.stat().st_size, sh["tokens"], itemsize)
+            if wrong_size:
+                problems.append(f"{split}: {wrong_size}")
             idx = d / sh["index_file"]
             if idx.is_file():
                 starts = np.fromfile(idx, dtype="<u4", count=idx.stat().st_size // 4)

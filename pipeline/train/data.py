@@ -13,7 +13,7 @@ from typing import Iterator
 import numpy as np
 import torch
 
-from pipeline.tokenize.writer import bad_ids_text, read_manifest, scan_shard
+from pipeline.tokenize.writer import bad_ids_text, read_manifest, scan_shard, shard_size_problem
 
 LOADER_STATE_VERSION = 2
 
@@ -105,11 +105,9 @@ def check_shards(shards: TokenShards, vocab_size: int | None = None, verify: str
     rank, world = share
     for i, s in enumerate(shards.shards):
         path, itemsize = shards.dir / s["file"], shards.dtype.itemsize
-        size = path.stat().st_size
-        if size != s["tokens"] * itemsize:
-            stray = f" and {size % itemsize} stray byte(s)" if size % itemsize else ""
-            facts.append(f"{s['file']} holds {size // itemsize:,} tokens{stray} ({size:,} bytes), the manifest "
-                         f"says {s['tokens']:,} ({s['tokens'] * itemsize:,} bytes)")
+        wrong_size = shard_size_problem(s["file"], path.stat().st_size, s["tokens"], itemsize)
+        if wrong_size:
+            facts.append(wrong_size)
             continue  # its sha256 cannot match: one fact per shard
         if verify == "full" and i % world == rank:
             scan = scan_shard(path, shards.manifest["dtype"], limit)
