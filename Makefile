@@ -8,7 +8,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test setup clean lint gpu-check
+.PHONY: demo test setup clean lint gpu-check compare-methods
 
 setup: $(STAMP)
 
@@ -31,6 +31,15 @@ demo: $(STAMP)
 	$(VENV)/bin/grt run recipes/quickstart-dense.yaml && \
 	$(VENV)/bin/grt compare quickstart-grt quickstart-dense && \
 	echo "demo: done in $$(( $$(date +%s) - start )) s (set-up not included)"
+
+# The paper's methods side by side at toy scale (recipes/compare/): dense, GRT, Poisson, MoR, RRT and Ouro on the same
+# tokens and block executions, each trained, evaluated and logged; then one table and one overlay plot.
+METHODS := dense grt poisson mor rrt ouro
+compare-methods: $(STAMP)
+	@start=$$(date +%s); \
+	for m in $(METHODS); do $(VENV)/bin/grt run recipes/compare/$$m.yaml || exit $$?; done; \
+	$(VENV)/bin/grt compare $(addprefix methods-,$(METHODS)) --out runs/compare-methods --format markdown && \
+	echo "compare-methods: done in $$(( $$(date +%s) - start )) s"
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests

@@ -14,13 +14,15 @@ Accounting (P = unique parameters, N = ranks, c = bytes of the compute dtype: 2 
     deepspeed zero 3   cP/N            cP/N             12P/N (+4P/N)                         gathered units
 
 P_mm: matmul weights (autocast keeps their bf16 casts through forward and backward). "Gathered units" (FSDP2 and
-ZeRO-3): the root (embeddings, final LN) and the whole recurrence step (W_proj, gate, the core's blocks: they stay
-gathered through the forward, ``reshard_after_forward=False``) plus two other blocks (one prefetched) in the compute
+ZeRO-3): the root (every parameter outside the blocks and the recurrence step: embeddings, final LN, Ouro's exit
+gate) and the whole recurrence step (``model.recur``: GRT's W_proj and gate, Poisson's adapter, MoR's routers, RRT's
+LoRAs, Ouro's loop norm, and the looped blocks: they stay gathered through the forward, ``reshard_after_forward=
+False``) plus two other blocks (one prefetched; none when every block is in the step, as in Ouro) in the compute
 dtype, and the step's unsharded fp32 gradients while they are reduce-scattered.
 
-Activations (bytes saved for backward, one micro-batch of B sequences of T tokens, d = d_model, H heads; a =
-compute-dtype bytes, s = residual-stream bytes: 4 with fp32 parameters, 2 with bf16 parameters (fsdp/deepspeed bf16);
-in the GRT core the stream is in the compute dtype since it starts as W_proj's output):
+Activations (bytes saved for backward, one micro-batch of B sequences of T tokens, d = d_model, H heads, V vocab;
+a = compute-dtype bytes, s = residual-stream bytes: 4 with fp32 parameters, 2 with bf16 parameters (fsdp/deepspeed
+bf16); in the GRT and Poisson cores the stream is in the compute dtype since it starts as a Linear's output):
 
     pre-LN block          2 s BTd (LN inputs) + 14 a BTd (LN outputs, qkv 3, attention out, MLP 4 + 4)
                           + 4 (4BT LN statistics + BHT attention log-sum-exp)
@@ -30,11 +32,49 @@ in the GRT core the stream is in the compute dtype since it starts as W_proj's o
     core_step             per step only its inputs: the state h; once: h_pre and the two anchor terms
     blocks                per block only its input; the gate, W_proj and noise are not checkpointed
 
+    The paper's competitors (embeddings, prelude / coda blocks and the head as above unless said):
+    Poisson               depth p is random and unbounded, but the first max(p - k, 0) steps run under no_grad and
+                          save nothing: the estimate is at k = backprop_steps grad steps, the bound for every p (a
+                          step p <= k saves less). The random initial state is drawn without grad: never saved.
+      grad step, no ckpt  2 a BTd (the adapter's input [h, h_pre], in the compute dtype) + n_core blocks on the
+                          compute-dtype stream (the adapter's output; the coda and the head's LN continue it)
+      core_step           per grad step only its input h (a); once h_pre (s). Region: one whole grad step
+      blocks              per grad step the adapter input + each core block's input (a BTd); the adapter is not
+                          checkpointed
+    MoR recursion r       k_r = max(1, floor((N_r - r) T / N_r)) tokens chosen among the n_r = k_{r-1} candidates
+                          (n_0 = T), r = 0..N_r-1; attention among the chosen only (a block on k_r tokens)
+      no ckpt             n_core blocks on k_r tokens + s BTd (the state h entering r, saved by the gather of the
+                          candidates (r > 0) or of the chosen (r = 0)) + s B n_r d (the candidates, r > 0: router
+                          input and gather source) + a B n_r d (the router's autocast cast, a != s only) + s B k_r d
+                          (the core's output, saved by the weighted update) + (2a + 8) B n_r (router logits and
+                          sigmoid, the BCE's fp32 logits and top-k membership target) + (a + 16) B k_r (the gathered
+                          weights, int64 indices of the chosen: in the candidates and in the sequence)
+      core_step           per recursion only its inputs: h (s BTd) and the previous recursion's indices (8 B n_r).
+                          Region: the largest recursion (r = 0: k_0 = T) without its inputs
+      blocks              per recursion the routing terms above + each core block's input (s B k_r d) and the core's
+                          output; router, gathers and scatter are not checkpointed
+    RRT core block        pre-LN block + 4 a BT rank (A_r x of each LoRA'd projection: c_attn, attn c_proj, c_fc,
+                          mlp c_proj, saved by B_r; the scale and the sum save nothing) + 2 a BTd when a != s
+                          (autocast casts LN's fp32 output once for W and once more for A_r: c_attn and c_fc);
+                          N_r recursions of n_core such blocks, the stream in s (x + block(x) keeps x's dtype)
+      core_step           per recursion only its input h (s BTd); region: one recursion
+      blocks              per block only its input
+    Ouro loop t           n_layer blocks + s BTd (the loop norm's input) + 8 BT (its statistics) + 4 BT (the
+                          per-token fused CE's logsumexp: it saves h_t, which the next loop's first block saves too,
+                          and recomputes the logits in backward: no dL/dh, dL/dW) + a BTd when a != s (the exit
+                          gate's autocast cast of h_t, loops t < T); once: h_T (s BTd), the int64 targets (8 BT) and
+                          the loss over the loops: 12 BT T (the stacked CE_t, p, log p) + 8 BT (T - 1) (the gate
+                          logits and their negation, logsigmoid's inputs)
+      core_step           per loop only its input h_{t-1} (s BTd); region: one loop (blocks + loop norm)
+      blocks              per block only its input; the loop norm, the heads and the gate are not checkpointed
+
 Peak = saved + the largest checkpointed region's activations while it is recomputed in backward (its input is
-already counted) — what tests/test_preflight.py measures on the CPU. The head's forward adds a workspace (one chunk
-of fp32 logits and its softmax in the compute dtype, the weight cast) while everything is saved; the estimate takes
-the larger of the two. Framework overhead (CUDA context, NCCL buffers, allocator fragmentation) is the margin in
-:func:`fits`.
+already counted) — what tests/test_preflight.py measures on the CPU for every model type. The head adds a
+workspace while everything is saved: the mean fused CE's forward (one chunk of fp32 logits and its softmax in the
+compute dtype, the weight cast); Ouro's per-token CE, in its backward (once per loop): a recomputed chunk of logits,
+dL/dW in fp32 with one chunk's product, dL/dh and the weight cast. The estimate takes the larger of the region and
+the workspace (the workspace is not measured on the CPU). Framework overhead (CUDA context, NCCL buffers, allocator
+fragmentation) is the margin in :func:`usable_bytes`.
 """
 from __future__ import annotations
 
@@ -45,6 +85,7 @@ GiB = 1 << 30
 MARGIN_FRACTION = 0.10  # allocator fragmentation and caching: keep 10% of the device free
 OVERHEAD_BYTES = 2 * GiB  # CUDA context + NCCL communicator buffers + cuBLAS workspaces, per rank
 CUDA_CE_CHUNK_BYTES = 1 << 30  # ops/linear_cross_entropy.py: fp32 logits per chunk on CUDA
+CHECKPOINTING_MODES = ("none", "core_step", "blocks")
 
 
 @dataclass
@@ -53,15 +94,16 @@ class ParamCounts:
 
     total: int
     matmul: int  # Linear weights (autocast casts them)
-    embed: int  # wte (tied head) + wpe + final LN: FSDP's root unit
-    block: int  # one transformer block
-    step: int  # GRT: one recurrence step (core blocks + W_proj + gate); dense: 0
+    embed: int  # FSDP's root unit: everything outside the blocks and the step (wte = tied head, wpe, final LN, ...)
+    block: int  # the largest block sharded as its own unit (prelude, coda, dense layers); 0 when all are in the step
+    step: int  # recurrent models: one recurrence step ``model.recur`` (looped blocks + per-step parameters); dense: 0
     vocab: int
     d_model: int
 
 
 def count_params(model_cfg) -> ParamCounts:
-    """Build the model on ``meta`` (no memory) and count its parameters per role."""
+    """Build the model on ``meta`` (no memory) and count its parameters per role, the roles being FSDP's units
+    (pipeline/train/parallelize.py): every block of ``blocks_of`` outside the step, ``model.recur``, the root."""
     import torch.nn as nn
 
     from pipeline.model import build_model
@@ -74,11 +116,11 @@ def count_params(model_cfg) -> ParamCounts:
         return unique_params(module)["params"]
 
     matmul = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear) and m is not model.lm_head)
-    roles = blocks_of(model)
-    return ParamCounts(total=n(model), matmul=matmul, embed=n(model.embed) + n(model.ln_f),
-                       block=n((roles.get("core") or roles["layers"])[0]),
-                       step=n(model.recur) if hasattr(model, "recur") else 0, vocab=model_cfg.vocab_size,
-                       d_model=model_cfg.d_model)
+    own_units = [n(b) for role, blocks in blocks_of(model).items() if role != "core" for b in blocks]
+    step = n(model.recur) if hasattr(model, "recur") else 0
+    total = n(model)
+    return ParamCounts(total=total, matmul=matmul, embed=total - step - sum(own_units), block=max(own_units, default=0),
+                       step=step, vocab=model_cfg.vocab_size, d_model=model_cfg.d_model)
 
 
 # ------------------------------------------------------------------------------------------------ model state
@@ -114,9 +156,9 @@ def checkpoint_bytes(pc: ParamCounts, backend: str, bf16: bool) -> float:
 # ------------------------------------------------------------------------------------------------ activations
 @dataclass
 class Activations:
-    saved: float  # bytes saved for backward by one micro-batch at depth R
+    saved: float  # bytes saved for backward by one micro-batch at the depth of activation_depth()
     region: float  # the largest checkpointed region's activations during its recomputation (0: no checkpointing)
-    head_workspace: float  # the fused head's forward working set (one chunk of logits)
+    head_workspace: float  # the head's working set beside the saved tensors (one chunk of logits, ...)
 
     @property
     def peak(self) -> float:
@@ -134,26 +176,106 @@ def block_bytes(B: int, T: int, d: int, H: int, a: int, s: int) -> float:
     return B * T * d * (2 * s + 14 * a) + 4 * (4 * B * T + B * H * T)
 
 
+def activation_depth(model_cfg) -> tuple[int, str]:
+    """(depth, what it counts) at which :func:`activation_bytes` estimates each model type: its deepest training
+    forward, or for Poisson (random depth p) the k steps that run with gradient whatever p is."""
+    t, c = model_cfg.type, model_cfg
+    if t == "gpt":
+        return c.n_layer, "n_layer"
+    if t == "grt":
+        return c.n_recurrence, "R, the largest sampled depth"
+    if t == "poisson":
+        return c.backprop_steps, (f"k = model.backprop_steps grad steps: the depth p is random (mean "
+                                  f"{c.n_recurrence + 1}), its first max(p - k, 0) steps save nothing")
+    if t == "mor":
+        return c.n_recurrence, "N_r recursions, recursion r on (N_r - r)/N_r of the tokens"
+    if t == "rrt":
+        return c.n_recurrence, "N_r recursions"
+    if t == "ouro":
+        return c.n_recurrence, "T loops, a head and an exit gate at each"
+    raise ValueError(_unknown(t))
+
+
+def _unknown(model_type: str) -> str:
+    return (f"launch/memory.py has no activation model for model.type={model_type!r}; add one (derived from what "
+            f"the model's forward saves for backward: a row of the module docstring's table, a case in "
+            f"activation_depth / activation_bytes) and measure it in tests/test_preflight.py")
+
+
+@dataclass
+class _Shapes:
+    """One micro-batch's dimensions and byte widths, and the terms every model shares."""
+
+    B: int
+    T: int
+    d: int
+    H: int
+    V: int
+    a: int  # compute-dtype bytes
+    s: int  # residual-stream bytes
+    chunk_bytes: int
+
+    @property
+    def BT(self) -> int:
+        return self.B * self.T
+
+    @property
+    def BTd(self) -> int:
+        return self.B * self.T * self.d
+
+    def block(self, stream: int, tokens: int | None = None) -> float:
+        """A pre-LN block on ``tokens`` (default T) positions with its residual stream of ``stream`` bytes."""
+        return block_bytes(self.B, self.T if tokens is None else tokens, self.d, self.H, self.a, stream)
+
+    def ln_stats(self) -> int:
+        return 8 * self.BT  # mean + rstd, fp32
+
+    def embed(self) -> int:
+        return 8 * self.BT + 8 * self.T  # token ids and positions (int64) for the embedding's backward
+
+    def mean_head(self, stream: int) -> float:
+        """Final LN (its input of ``stream`` bytes, statistics) + the mean fused CE's dL/dh and dL/dW (fp32)."""
+        return stream * self.BTd + 4 * self.BTd + 4 * self.V * self.d + self.ln_stats()
+
+    def chunk_rows(self) -> int:
+        return min(self.BT, max(1, self.chunk_bytes // (4 * self.V)))
+
+    def weight_cast(self) -> int:
+        return self.V * self.d * self.a if self.a != self.s else 0
+
+    def mean_head_workspace(self) -> float:
+        """The mean fused CE's forward: fp32 logits + softmax in the compute dtype per chunk, the weight cast."""
+        return self.chunk_rows() * self.V * (4 + self.a) + self.weight_cast()
+
+
 def activation_bytes(model_cfg, micro_batch: int, mode: str, a: int = 4, s: int = 4,
                      chunk_bytes: int = CUDA_CE_CHUNK_BYTES) -> Activations:
-    """Activations of one micro-batch (``micro_batch`` x ``model.block_size``) at the maximum depth (R for GRT,
-    n_layer for dense) under activation checkpointing ``mode``; ``a``/``s``: compute / residual-stream bytes."""
-    B, T, d, H, V = micro_batch, model_cfg.block_size, model_cfg.d_model, model_cfg.n_head, model_cfg.vocab_size
-    BTd, BT = B * T * d, B * T
-    blk_s = block_bytes(B, T, d, H, a, s)  # a block on the fp32/bf16 residual stream (prelude, coda, dense layers)
-    blk_a = block_bytes(B, T, d, H, a, a)  # a GRT core block (stream in the compute dtype)
-    ln_stats = 8 * BT  # mean + rstd, fp32
-    embed = 8 * BT + 8 * T  # token ids and positions (int64) for the embedding's backward
-    head = s * BTd + 4 * BTd + 4 * V * d + ln_stats
-    rows = min(BT, max(1, chunk_bytes // (4 * V)))
-    head_ws = rows * V * (4 + a) + (V * d * a if a != s else 0)  # fp32 logits + softmax in compute dtype + W cast
-    if model_cfg.type != "grt":
-        L = model_cfg.n_layer
-        if mode == "blocks":
-            return Activations(embed + L * s * BTd + head, blk_s - s * BTd, head_ws)
-        return Activations(embed + L * blk_s + head, 0.0, head_ws)
+    """Activations of one micro-batch (``micro_batch`` x ``model.block_size``) at the depth of
+    :func:`activation_depth` under activation checkpointing ``mode``; ``a``/``s``: compute / residual-stream
+    bytes. One function per model type, each the module docstring's rows for it."""
+    if mode not in CHECKPOINTING_MODES:
+        raise ValueError(f"train.activation_checkpointing={mode!r}; use one of {CHECKPOINTING_MODES}")
+    x = _Shapes(micro_batch, model_cfg.block_size, model_cfg.d_model, model_cfg.n_head, model_cfg.vocab_size, a, s,
+                chunk_bytes)
+    per_type = {"gpt": _dense, "grt": _grt, "poisson": _poisson, "mor": _mor, "rrt": _rrt, "ouro": _ouro}
+    if model_cfg.type not in per_type:
+        raise ValueError(_unknown(model_cfg.type))
+    return per_type[model_cfg.type](model_cfg, x, mode)
 
-    c = model_cfg
+
+def _dense(c, x: _Shapes, mode: str) -> Activations:
+    """GPT: n_layer blocks on the s stream (core_step does not apply to a dense model: counted as none)."""
+    L, s = c.n_layer, x.s
+    head, blk = x.embed() + x.mean_head(s), x.block(s)
+    if mode == "blocks":
+        return Activations(head + L * s * x.BTd, blk - s * x.BTd, x.mean_head_workspace())
+    return Activations(head + L * blk, 0.0, x.mean_head_workspace())
+
+
+def _grt(c, x: _Shapes, mode: str) -> Activations:
+    a, s, BTd = x.a, x.s, x.BTd
+    blk_s, blk_a, ln_stats = x.block(s), x.block(a), x.ln_stats()
+    embed, head, head_ws = x.embed(), x.mean_head(s), x.mean_head_workspace()
     R, n_core, outer = c.n_recurrence, c.n_core, c.n_prelude + c.n_coda
     noisy = c.state_noise == "every_step" and c.sigma_x > 0
     gate = c.gate == "elementwise"
@@ -180,6 +302,93 @@ def activation_bytes(model_cfg, micro_batch: int, mode: str, a: int = 4, s: int 
     saved = embed + outer * s * BTd + R * (n_core * a * BTd + step_extra) + anchor_once + head
     region = max(blk_s - s * BTd if outer else 0, blk_a - a * BTd)
     return Activations(saved, region, head_ws)
+
+
+def _poisson(c, x: _Shapes, mode: str) -> Activations:
+    """k grad steps (activation_depth): the no-grad steps before them save nothing. The core's stream is the
+    adapter's output (compute dtype); the coda and the final LN continue it."""
+    a, s, BTd = x.a, x.s, x.BTd
+    k, n_core, blk_a = c.backprop_steps, c.n_core, x.block(a)
+    adapter_in = 2 * a * BTd  # [h, h_pre] (the fp32 concatenation's autocast cast when a != s)
+    outside = x.embed() + x.mean_head(a)
+    prelude, coda = c.n_prelude * x.block(s), c.n_coda * blk_a
+    if mode == "none":
+        return Activations(outside + prelude + k * (adapter_in + n_core * blk_a) + coda, 0.0, x.mean_head_workspace())
+    if mode == "core_step":
+        # the checkpoint holds each grad step's state h (a) and, once, h_pre (s); recomputing a step saves it whole
+        saved = outside + prelude + k * a * BTd + s * BTd + coda
+        return Activations(saved, adapter_in + n_core * blk_a, x.mean_head_workspace())
+    saved = outside + c.n_prelude * s * BTd + k * (adapter_in + n_core * a * BTd) + c.n_coda * a * BTd
+    region = max(x.block(s) - s * BTd if c.n_prelude else 0, blk_a - a * BTd)
+    return Activations(saved, region, x.mean_head_workspace())
+
+
+def _mor(c, x: _Shapes, mode: str) -> Activations:
+    """Recursion r runs the core on its k_r chosen tokens (pipeline/model/mor.py's capacity_tokens)."""
+    from pipeline.model.mor import capacity_tokens
+
+    a, s, B, d, BTd = x.a, x.s, x.B, x.d, x.BTd
+    N, T = c.n_recurrence, x.T
+    chosen = [capacity_tokens(N, r, T) for r in range(N)]
+    candidates = [T] + chosen[:-1]
+
+    def routing(r: int) -> float:
+        """Recursion r's tensors outside its blocks and its input state (the gathers, router, update, aux BCE)."""
+        n, k = candidates[r], chosen[r]
+        gathered = s * B * n * d if r > 0 else 0  # the candidates h[C_r]: the router's input, the chosen's source
+        cast = a * B * n * d if a != s else 0  # the router's own autocast cast of its input
+        small = (2 * a + 8) * B * n + (a + 16) * B * k  # logits, sigmoid, BCE fp32 logits/target; weights, indices
+        return gathered + cast + s * B * k * d + small  # + the core's output (weighted update)
+
+    outside = x.embed() + (c.n_prelude + c.n_coda) * x.block(s) + x.mean_head(s)
+    if mode == "none":
+        saved = outside + sum(s * BTd + routing(r) + c.n_core * x.block(s, chosen[r]) for r in range(N))
+        return Activations(saved, 0.0, x.mean_head_workspace())
+    if mode == "core_step":
+        # held by the checkpoint: each recursion's state h and the previous recursion's indices (int64)
+        saved = outside + N * s * BTd + sum(8 * B * candidates[r] for r in range(1, N))
+        region = max(routing(r) + c.n_core * x.block(s, chosen[r]) for r in range(N))
+        return Activations(saved, region, x.mean_head_workspace())
+    outside = x.embed() + (c.n_prelude + c.n_coda) * s * BTd + x.mean_head(s)
+    saved = outside + sum(s * BTd + routing(r) + c.n_core * s * B * chosen[r] * d for r in range(N))
+    region = max(x.block(s) - s * BTd if c.n_prelude + c.n_coda else 0, x.block(s, chosen[0]) - s * B * chosen[0] * d)
+    return Activations(saved, region, x.mean_head_workspace())
+
+
+def _rrt(c, x: _Shapes, mode: str) -> Activations:
+    """N_r recursions of the n_core LoRA'd blocks, the stream in s throughout."""
+    a, s, BTd = x.a, x.s, x.BTd
+    core = x.block(s) + 4 * a * x.BT * c.lora_rank + (2 * a * BTd if a != s else 0)
+    N, outer = c.n_recurrence, c.n_prelude + c.n_coda
+    outside = x.embed() + x.mean_head(s)
+    if mode == "none":
+        return Activations(outside + outer * x.block(s) + N * c.n_core * core, 0.0, x.mean_head_workspace())
+    if mode == "core_step":
+        saved = outside + outer * x.block(s) + N * s * BTd
+        return Activations(saved, c.n_core * core - s * BTd, x.mean_head_workspace())
+    saved = outside + (outer + N * c.n_core) * s * BTd
+    region = max(x.block(s) - s * BTd if outer else 0, core - s * BTd)
+    return Activations(saved, region, x.mean_head_workspace())
+
+
+def _ouro(c, x: _Shapes, mode: str) -> Activations:
+    """T loops of the n_layer blocks and the loop norm, a per-token head at every loop, T - 1 exit gates."""
+    a, s, B, BT, BTd = x.a, x.s, x.B, x.BT, x.BTd
+    L, T_loops = c.n_layer, c.n_recurrence
+    gate_casts = (T_loops - 1) * a * BTd if a != s else 0
+    per_loop = s * BTd + x.ln_stats() + 4 * BT  # loop norm input and statistics, the CE's logsumexp
+    loss = 12 * BT * T_loops + 8 * BT * (T_loops - 1)
+    outside = x.embed() + s * BTd + 8 * BT + gate_casts + loss  # + h_T and the targets, saved by the last CE
+    # the per-token CE's backward (once per loop): a recomputed chunk of logits (fp32 + its compute-dtype softmax),
+    # dL/dW in fp32 with one chunk's product, dL/dh, the weight cast
+    workspace = x.chunk_rows() * x.V * (4 + a) + 8 * x.V * x.d + s * BTd + x.weight_cast()
+    if mode == "none":
+        return Activations(outside + T_loops * (L * x.block(s) + per_loop), 0.0, workspace)
+    if mode == "core_step":
+        saved = outside + T_loops * (s * BTd + 4 * BT)  # the checkpoint holds each loop's input h_{t-1}
+        return Activations(saved, L * x.block(s) + x.ln_stats(), workspace)
+    saved = outside + T_loops * (L * s * BTd + per_loop)
+    return Activations(saved, x.block(s) - s * BTd, workspace)
 
 
 # ------------------------------------------------------------------------------------------------ the estimate
@@ -228,7 +437,8 @@ def usable_bytes(gpu_bytes: float) -> float:
 def alternatives(model_cfg, pc: ParamCounts, plan: Plan, gpu_bytes: float, limit: int = 3) -> list[Estimate]:
     """The first plans that fit, least disruptive first: checkpointing, then another backend / ZeRO stage, then a
     smaller micro-batch (with the accumulation that keeps the global batch), then combinations."""
-    modes = ["none", "core_step", "blocks"] if model_cfg.type == "grt" else ["none", "blocks"]
+    # core_step checkpoints one ``model.recur`` call: every recurrent type has one, a dense model does not
+    modes = list(CHECKPOINTING_MODES) if pc.step else ["none", "blocks"]
     backends = [("ddp", 0), ("fsdp", 0), ("deepspeed", 1), ("deepspeed", 2), ("deepspeed", 3)]
     if plan.world == 1:
         backends = [("single", 0)] + backends

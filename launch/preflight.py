@@ -2,8 +2,9 @@
 listed at once with its fix (``grt launch RECIPE --check`` exits 2 when ``report.ok`` is false).
 
     batch       train.grad_accum_steps divisible by the world size (the trainer would refuse it at start-up)
-    memory      per rank, for the backend / ZeRO stage / activation checkpointing (launch/memory.py), against the
-                GPU's memory; when it does not fit, the first changes that make it fit
+    memory      per rank, for the backend / ZeRO stage / activation checkpointing (launch/memory.py), every model
+                type at the depth that bounds its activations (R, N_r, T loops, Poisson's k grad steps), against
+                the GPU's memory; when it does not fit, the first changes that make it fit
     data        manifest present and consistent, tokenizer identity, enough tokens for max_steps (or the epochs)
     tracking    the MLflow URI reachable (http) or writable (sqlite)
     disk        free space under out_dir for keep_checkpoints + 1 checkpoints
@@ -120,8 +121,9 @@ def _table(est: memory.Estimate) -> list[str]:
     rows = [("parameters", s["parameters"]), ("gradients", s["gradients"]),
             ("optimizer (AdamW m, v, fp32 master)", s["optimizer"]),
             ("extra (autocast copies / DDP buckets / gathered units)", s["extra"]),
-            ("activations saved (1 micro-batch, max depth)", a.saved),
-            ("recomputed region in backward", a.region), ("LM-head forward workspace", a.head_workspace)]
+            ("activations saved (1 micro-batch, at that depth)", a.saved),
+            ("recomputed region in backward", a.region),
+            ("LM-head workspace (Ouro: its per-loop backward)", a.head_workspace)]
     lines = [f"{name:<55} {gb(v):>10}" for name, v in rows]
     lines.append(f"{'total per rank (saved + max(region, head workspace))':<55} {gb(est.total):>10}")
     return lines
@@ -135,12 +137,16 @@ def _check_memory(cfg, world: int, gpu_mem_gb: float | None, bf16: bool, rep: Re
         rep.problems.append(f"backend: train.backend=single runs one process, but the plan has {world} ranks; set "
                             f"train.backend=ddp, fsdp or deepspeed (estimated below as ddp)")
         backend = "ddp"
+    if tc.activation_checkpointing == "core_step" and not pc.step:
+        rep.problems.append(f"checkpointing: train.activation_checkpointing=core_step checkpoints one recurrence step "
+                            f"(model.recur) and model.type={cfg.model.type} has none; set "
+                            f"train.activation_checkpointing=blocks (estimated below as none)")
     plan = Plan(backend, tc.zero_stage if backend == "deepspeed" else 0, tc.activation_checkpointing, tc.micro_batch_size, tc.grad_accum_steps,
                 world, bf16)
     est = memory.estimate(cfg.model, pc, plan)
-    depth = cfg.model.n_recurrence if cfg.model.type == "grt" else cfg.model.n_layer
-    lines = [f"{pc.total / 1e6:,.1f}M unique parameters; activations at depth {depth} "
-             f"({'R' if cfg.model.type == 'grt' else 'n_layer'}) for {plan.label()}", *_table(est)]
+    depth, counts = memory.activation_depth(cfg.model)
+    lines = [f"{pc.total / 1e6:,.1f}M unique parameters; activations of model.type={cfg.model.type} at depth "
+             f"{depth} ({counts}) for {plan.label()}", *_table(est)]
     source = "--gpu-mem"
     if gpu_mem_gb is None:
         gpu_mem_gb, source = _local_gpu_gb(), "the local CUDA device"

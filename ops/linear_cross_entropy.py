@@ -1,10 +1,19 @@
 """LM head + cross-entropy fused and chunked: the loss of ``h @ W^T`` against targets without ever holding the whole
 ``[tokens, vocab]`` logits (the largest tensor in GPT-2-sized training) or its gradient.
 
-The forward pass walks the tokens in chunks; when gradients are needed it computes them on the spot (softmax minus
-one-hot, times W for dh and accumulated into dW), so the backward pass only scales them. On a CPU the chunks stay
-under glibc's mmap threshold, which removes most page-fault time (measured 1.45x faster head forward+backward at
-2,048 tokens x 50,257 on 2 cores); on a GPU the win is memory. Reference: ``F.cross_entropy(h @ W.T, targets)``.
+Two reductions share one chunk kernel (:func:`_chunk_backward`: softmax minus one-hot, rows scaled, into dh and dW):
+
+- ``"mean"``: the forward pass walks the tokens in chunks and, when gradients are needed, computes them on the spot
+  (the upstream gradient of a mean is one scalar), so the backward pass only scales them. On a CPU the chunks stay
+  under glibc's mmap threshold, which removes most page-fault time (measured 1.45x faster head forward+backward at
+  2,048 tokens x 50,257 on 2 cores); on a GPU the win is memory.
+- ``"none"``: per-token losses CE_i = lse_i - l_{i,t_i} (for losses weighted per token afterwards, e.g. Ouro's
+  sum_t p_t CE_t). The upstream gradient is a vector only known in the backward pass, so the forward keeps just the
+  per-row logsumexp and the backward recomputes each chunk's logits: dl_i = g_i (softmax(l_i) - onehot(t_i)),
+  dh = dl W, dW = dl^T h. One extra head matmul per chunk, never more than a chunk of logits.
+
+Ignored targets (-1) give 0 loss and 0 gradient. Reference: ``F.cross_entropy(h @ W.T, targets, ignore_index=-1,
+reduction=...)``.
 """
 from __future__ import annotations
 
@@ -25,6 +34,18 @@ def _compute_dtype(h: torch.Tensor) -> torch.dtype:
     return h.dtype
 
 
+def _chunk_backward(logits, lse, tcl, row_scale, hc, w, grad_h_rows, grad_w, compute_dtype):
+    """The gradient of sum_i row_scale_i CE_i for one chunk: ``logits`` [n, V] (accumulation dtype, overwritten) become
+    row_scale_i (softmax(l_i) - onehot(t_i)); their product with W goes to ``grad_h_rows``, with h is added to
+    ``grad_w``. ``row_scale`` is 0 on ignored rows."""
+    p = logits.sub_(lse[:, None]).exp_()  # softmax, in place
+    p[torch.arange(p.shape[0], device=p.device), tcl] -= 1.0  # d(CE_i)/d(logits_i)
+    p.mul_(row_scale[:, None])
+    p = p.to(compute_dtype)
+    grad_h_rows.copy_(p @ w)
+    grad_w += (p.t() @ hc).to(grad_w.dtype)
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h, weight, targets, compute_dtype, chunk):
@@ -43,12 +64,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 logits = (hc @ w.t()).to(acc)
                 lse = torch.logsumexp(logits, dim=-1)
                 loss += ((lse - logits.gather(1, tcl[:, None]).squeeze(1)) * valid).sum()
-                p = logits.sub_(lse[:, None]).exp_()  # softmax, in place
-                p[torch.arange(p.shape[0], device=p.device), tcl] -= 1.0  # d(sum of losses)/d(logits)
-                p.mul_(valid[:, None])
-                p = p.to(compute_dtype)
-                grad_h[s:s + chunk] = (p @ w).to(h.dtype)
-                grad_w += (p.t() @ hc).to(acc)
+                _chunk_backward(logits, lse, tcl, valid, hc, w, grad_h[s:s + chunk], grad_w, compute_dtype)
         ctx.save_for_backward(grad_h, grad_w)
         ctx.n = n
         ctx.weight_dtype = weight.dtype
@@ -59,6 +75,47 @@ class _LinearCrossEntropy(torch.autograd.Function):
         grad_h, grad_w = ctx.saved_tensors
         scale = grad_out / ctx.n
         return (grad_h * scale.to(grad_h.dtype), (grad_w * scale).to(ctx.weight_dtype), None, None, None)
+
+
+def _token_losses(h, weight, targets, compute_dtype, chunk):
+    """(per-token CE [N], per-row logsumexp [N]) in the accumulation dtype, chunk by chunk; 0 on ignored rows."""
+    with torch.autocast(h.device.type, enabled=False):
+        w = weight.to(compute_dtype)
+        acc = torch.promote_types(compute_dtype, torch.float32)
+        losses = torch.empty(h.shape[0], dtype=acc, device=h.device)
+        lse_all = torch.empty(h.shape[0], dtype=acc, device=h.device)
+        for s in range(0, h.shape[0], chunk):
+            tc = targets[s:s + chunk]
+            logits = (h[s:s + chunk].to(compute_dtype) @ w.t()).to(acc)
+            lse = lse_all[s:s + chunk] = torch.logsumexp(logits, dim=-1)
+            losses[s:s + chunk] = (lse - logits.gather(1, tc.clamp(min=0)[:, None]).squeeze(1)) * (tc != IGNORE)
+    return losses, lse_all
+
+
+class _LinearCrossEntropyPerToken(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h, weight, targets, compute_dtype, chunk):
+        losses, lse = _token_losses(h, weight, targets, compute_dtype, chunk)
+        ctx.save_for_backward(h, weight, targets, lse)
+        ctx.compute_dtype, ctx.chunk = compute_dtype, chunk
+        return losses
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        h, weight, targets, lse_all = ctx.saved_tensors
+        cdt, chunk = ctx.compute_dtype, ctx.chunk
+        with torch.autocast(h.device.type, enabled=False):
+            w = weight.to(cdt)
+            acc = lse_all.dtype
+            grad_h = torch.empty_like(h)
+            grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device)
+            for s in range(0, h.shape[0], chunk):
+                hc, tc = h[s:s + chunk].to(cdt), targets[s:s + chunk]
+                logits = (hc @ w.t()).to(acc)
+                row_scale = grad_out[s:s + chunk].to(acc) * (tc != IGNORE)
+                _chunk_backward(logits, lse_all[s:s + chunk], tc.clamp(min=0), row_scale, hc, w,
+                                grad_h[s:s + chunk], grad_w, cdt)
+        return grad_h, grad_w.to(weight.dtype), None, None, None
 
 
 @torch.no_grad()
@@ -73,14 +130,24 @@ def _loss_only(h, weight, targets, compute_dtype, chunk):
 
 
 def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-                         chunk: int | None = None) -> torch.Tensor:
-    """Mean cross-entropy (nats; fp32, or fp64 for fp64 inputs) of ``h @ weight.T`` against ``targets``.
+                         chunk: int | None = None, reduction: str = "mean") -> torch.Tensor:
+    """Cross-entropy (nats; fp32, or fp64 for fp64 inputs) of ``h @ weight.T`` against ``targets``: the mean over
+    the non-ignored tokens (``reduction="mean"``), or each token's own (``"none"``, shaped like ``targets``, 0 where
+    ignored).
 
     ``h``: [..., d]; ``weight``: [vocab, d]; ``targets``: [...] with -1 = ignored."""
+    if reduction not in ("mean", "none"):
+        raise ValueError(f"reduction must be 'mean' or 'none', got {reduction!r}")
     d = h.shape[-1]
     h2, t2 = h.reshape(-1, d), targets.reshape(-1)
     chunk = chunk or _chunk_rows(weight.shape[0], h.device)
     cdt = _compute_dtype(h)
-    if torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad):
+    grad = torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad)
+    if reduction == "none":
+        if grad:
+            return _LinearCrossEntropyPerToken.apply(h2, weight, t2, cdt, chunk).view(targets.shape)
+        with torch.no_grad():
+            return _token_losses(h2, weight, t2, cdt, chunk)[0].view(targets.shape)
+    if grad:
         return _LinearCrossEntropy.apply(h2, weight, t2, cdt, chunk)
     return _loss_only(h2, weight, t2, cdt, chunk)

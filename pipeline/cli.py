@@ -33,10 +33,11 @@ def cmd_info(args) -> int:
     print(f"  forward FLOPs/token, Eq. 1   {info['flops_per_token']:>15,}  ({info['flops_per_token'] / 1e9:.4f} G)")
     print(f"  ... with the LM head         {info['flops_per_token_with_head']:>15,}  "
           f"({info['flops_per_token_with_head'] / 1e9:.4f} G)")
-    saved = info["flops_per_token"] - info["executed_flops_per_token"]
-    print(f"  forward FLOPs/token executed {info['executed_flops_per_token']:>15,}  "
-          f"({info['executed_flops_per_token'] / 1e9:.4f} G; {saved:,} saved by computing the anchor halves of "
-          f"W_proj and f_g once per forward)")
+    if info["executed_flops_per_token"] != info["flops_per_token"]:
+        print(f"  forward FLOPs/token executed {info['executed_flops_per_token']:>15,}  "
+              f"({info['executed_flops_per_token'] / 1e9:.4f} G)")
+    for note in info["flops_notes"]:
+        print(f"  note: {note}")
     return 0
 
 

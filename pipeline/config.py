@@ -46,6 +46,10 @@ class ModelConfig:
             p.append(f"model.dropout must be in [0, 1), got {self.dropout}")
         return p
 
+    def max_depth(self) -> Optional[int]:
+        """The deepest exit this model has (None: any depth, the recurrence can run past its trained depth)."""
+        return None
+
 
 @dataclass
 class GPTConfig(ModelConfig):
@@ -57,16 +61,31 @@ class GPTConfig(ModelConfig):
     def validate(self) -> list[str]:
         return super().validate() + _at_least(self, "model", ("n_layer",), 1)
 
+    def max_depth(self) -> Optional[int]:
+        return self.n_layer
+
 
 @dataclass
-class GRTConfig(ModelConfig):
-    """Gated Recurrent Transformer, shorthand ``n_prelude + n_core x n_recurrence + n_coda``."""
+class RecurrentConfig(ModelConfig):
+    """The layout every recurrent-depth model here shares, shorthand ``n_prelude + n_core x n_recurrence + n_coda``:
+    prelude blocks run once, a core of ``n_core`` blocks looped ``n_recurrence`` times, coda blocks."""
 
-    type: str = "grt"
     n_prelude: int = 2
     n_core: int = 5  # n_rec: blocks in the shared core
     n_coda: int = 2
     n_recurrence: int = 4  # R: maximum (and default evaluation) number of recurrence steps
+
+    def validate(self) -> list[str]:
+        p = super().validate()
+        p += _at_least(self, "model", ("n_prelude", "n_coda"), 0)
+        return p + _at_least(self, "model", ("n_core", "n_recurrence"), 1)
+
+
+@dataclass
+class GRTConfig(RecurrentConfig):
+    """Gated Recurrent Transformer, shorthand ``n_prelude + n_core x n_recurrence + n_coda``."""
+
+    type: str = "grt"
     # Ablation switches (paper Fig. 5 / Table 7). All on = full GRT.
     reinject: bool = True  # h~ = W_proj([h + eps_x, h_pre]); off: h~ = h + eps_x
     gate: str = "elementwise"  # elementwise: h = g*h + (1-g)*o ; none: h = o
@@ -80,8 +99,6 @@ class GRTConfig(ModelConfig):
 
     def validate(self) -> list[str]:
         p = super().validate()
-        p += _at_least(self, "model", ("n_prelude", "n_coda"), 0)
-        p += _at_least(self, "model", ("n_core", "n_recurrence"), 1)
         p += _choice("model.gate", self.gate, ["elementwise", "none"])
         p += _choice("model.state_noise", self.state_noise, ["every_step", "init", "none"])
         p += _choice("model.init_state", self.init_state, ["prelude", "zeros", "noise"])
@@ -89,6 +106,94 @@ class GRTConfig(ModelConfig):
         p += _at_least(self, "model", ("sigma_x", "sigma_g"), 0)
         if self.tau <= 0:
             p.append(f"model.tau must be > 0, got {self.tau}")
+        return p
+
+
+# ---- the paper's recurrent competitors (Table 1 / Table 8); pipeline/model/<type>.py says how each is built
+
+
+@dataclass
+class PoissonConfig(RecurrentConfig):
+    """Heavy-tail Poisson depth (Geiping et al.): random initial state, linear adapter A[h, h_pre], depth per step
+    p = Poisson(LogNormal(log R - sigma^2/2, sigma)) + 1 with gradients through the last ``backprop_steps`` only."""
+
+    type: str = "poisson"
+    backprop_steps: int = 8  # k: truncated backprop through the last k steps (their release: 8)
+    depth_sigma: float = 0.5  # sigma of the log-normal rate
+    init_std: Optional[float] = None  # std of the truncated-normal initial state; null: sqrt(2 / (5 d)) as theirs
+
+    def validate(self) -> list[str]:
+        p = super().validate() + _at_least(self, "model", ("backprop_steps",), 1)
+        if self.depth_sigma < 0:
+            p.append(f"model.depth_sigma must be >= 0, got {self.depth_sigma}")
+        if self.init_std is not None and self.init_std < 0:
+            p.append(f"model.init_std must be >= 0 (or null: sqrt(2/(5d))), got {self.init_std}")
+        return p
+
+
+@dataclass
+class MoRConfig(RecurrentConfig):
+    """Mixture-of-Recursions, expert-choice routing, middle-cycle sharing: ``n_prelude`` first unique layers, the
+    ``n_core`` middle blocks cycled ``n_recurrence`` = N_r times, ``n_coda`` last unique layers."""
+
+    type: str = "mor"
+    n_prelude: int = 1
+    n_core: int = 1
+    n_coda: int = 1
+    n_recurrence: int = 3  # N_r
+    router_alpha: float = 0.1  # alpha in h <- h + alpha * sigmoid(router(h)) * block(h)
+    aux_loss_coef: float = 0.001  # BCE(router logits, top-k membership): lets causal inference threshold at 0.5
+
+    def validate(self) -> list[str]:
+        p = super().validate()
+        if self.router_alpha <= 0:
+            p.append(f"model.router_alpha must be > 0, got {self.router_alpha}")
+        if self.aux_loss_coef < 0:
+            p.append(f"model.aux_loss_coef must be >= 0, got {self.aux_loss_coef}")
+        return p
+
+    def max_depth(self) -> Optional[int]:
+        return self.n_recurrence  # recursion r has capacity (N_r - r + 1)/N_r: none is left after N_r
+
+
+@dataclass
+class RRTConfig(RecurrentConfig):
+    """Relaxed Recursive Transformer: the core strictly shared across recursions plus one LoRA per recursion on its
+    attention and MLP projections (B = 0 at init: every recursion starts identical)."""
+
+    type: str = "rrt"
+    lora_rank: int = 64
+    lora_alpha: float = 64.0  # the LoRA update is scaled by lora_alpha / lora_rank
+
+    def validate(self) -> list[str]:
+        p = super().validate() + _at_least(self, "model", ("lora_rank",), 1)
+        if self.lora_rank > self.d_model >= 1:
+            p.append(f"model.lora_rank={self.lora_rank} exceeds model.d_model={self.d_model}")
+        if self.lora_alpha <= 0:
+            p.append(f"model.lora_alpha must be > 0, got {self.lora_alpha}")
+        return p
+
+    def max_depth(self) -> Optional[int]:
+        return self.n_recurrence  # one LoRA per recursion: no recursion past the last one
+
+
+@dataclass
+class OuroConfig(ModelConfig):
+    """Ouro (looped LM): the whole stack of ``n_layer`` blocks looped ``n_recurrence`` = T times, the final norm at the
+    end of every loop, an exit gate per loop and the entropy-regularised expected loss over the loops."""
+
+    type: str = "ouro"
+    n_layer: int = 6
+    n_recurrence: int = 4  # T: loops in training (and the default evaluation depth)
+    entropy_beta: float = 0.1  # beta in sum_t p_t CE_t - beta H(p)
+
+    def validate(self) -> list[str]:
+        p = super().validate() + _at_least(self, "model", ("n_layer",), 1)
+        if self.n_recurrence < 2:  # one loop never uses the exit gate (and DDP stops on an unused parameter)
+            p.append(f"model.n_recurrence must be >= 2 for Ouro, got {self.n_recurrence}; a single loop is the dense "
+                     f"model: use model.type=gpt")
+        if self.entropy_beta < 0:
+            p.append(f"model.entropy_beta must be >= 0, got {self.entropy_beta}")
         return p
 
 
@@ -352,11 +457,11 @@ class RunConfig:
             p.append(f"name={self.name!r} must be a non-empty folder name without '/'")
         if not 0 <= self.seed < 2 ** 32:
             p.append(f"seed must be in 0..{2 ** 32 - 1}, got {self.seed}")
-        n_layer = getattr(self.model, "n_layer", None)  # a dense model exits after one of its layers, no deeper
+        limit = self.model.max_depth()  # dense: exit after a layer; MoR/RRT: no recursion past the last one
         deepest = max([self.eval.max_steps or 0, *self.eval.task_depths])
-        if self.model.type == "gpt" and n_layer is not None and deepest > n_layer >= 1:
-            p.append(f"eval.max_steps / eval.task_depths go to {deepest}, past the dense model's model.n_layer="
-                     f"{n_layer}; a dense model exits after layer 1..{n_layer}")
+        if limit is not None and deepest > limit >= 1:
+            p.append(f"eval.max_steps / eval.task_depths go to {deepest}, past the deepest exit of model.type="
+                     f"{self.model.type} ({limit}); set them to at most {limit}")
         p += self.model.validate() + self.data.validate() + self.train.validate() + self.eval.validate()
         p += self.tracking.validate()
         return p

@@ -29,14 +29,26 @@ PAIRS = [("The gate decides how much", " of the state"), ("A", " b c d e f"), ("
          ("one two", " three"), ("x" * 3, " y")]
 
 
+SMALL_MODELS = {  # every registered type besides grt (tiny_recipe's default)
+    "gpt": {"type": "gpt", "n_layer": 3},
+    "poisson": {"type": "poisson", "n_prelude": 1, "n_core": 1, "n_coda": 1, "n_recurrence": 3},
+    "mor": {"type": "mor", "n_prelude": 1, "n_core": 1, "n_coda": 1, "n_recurrence": 3},
+    "rrt": {"type": "rrt", "n_prelude": 1, "n_core": 1, "n_coda": 1, "n_recurrence": 3, "lora_rank": 4},
+    "ouro": {"type": "ouro", "n_layer": 2, "n_recurrence": 3},
+}
+METHODS = ["poisson", "mor", "rrt", "ouro"]
+
+
 def small(model_type: str):
     """A tiny model on the real GPT-2 vocabulary (so the adapter's tokenizer applies), weights moved off init."""
     torch.manual_seed(1)
     recipe = tiny_recipe(Path("/tmp"), Path("/tmp"), {"d_model": 16, "n_head": 2})
-    if model_type == "gpt":
-        recipe["model"] = {"type": "gpt", "block_size": 32, "d_model": 16, "n_head": 2, "n_layer": 3}
+    if model_type != "grt":
+        recipe["model"] = {"block_size": 32, "d_model": 16, "n_head": 2, **SMALL_MODELS[model_type]}
     cfg = from_dict(recipe)
     model = build_model(cfg.model).eval()
+    if model_type == "mor":
+        model.routing = "threshold"  # what the adapter scores MoR with (causal); the hand-computed side uses it too
     with torch.no_grad():
         for p in model.parameters():
             p.add_(0.2 * torch.randn_like(p))
@@ -71,7 +83,8 @@ def direct_loglikelihood(model, ctx: str, cont: str, n_steps, block_size: int) -
     return ll, greedy
 
 
-@pytest.mark.parametrize("model_type,n_steps", [("grt", None), ("grt", 2), ("grt", 5), ("gpt", None), ("gpt", 2)])
+@pytest.mark.parametrize("model_type,n_steps", [("grt", None), ("grt", 2), ("grt", 5), ("gpt", None), ("gpt", 2)]
+                         + [(m, n) for m in METHODS for n in (None, 2)])
 def test_adapter_loglikelihood_equals_direct_log_probs_at_any_batch_size(model_type, n_steps):
     model, cfg = small(model_type)
     want = [direct_loglikelihood(model, c, t, n_steps, cfg.model.block_size) for c, t in PAIRS]
@@ -118,7 +131,8 @@ def test_loglikelihood_rolling_against_lm_evals_windows(model_type):
     assert len(ENC.encode_ordinary(long)) > cfg.model.block_size
 
 
-@pytest.mark.parametrize("model_type,n_steps", [("grt", None), ("grt", 2), ("gpt", None)])
+@pytest.mark.parametrize("model_type,n_steps", [("grt", None), ("grt", 2), ("gpt", None)]
+                         + [(m, n) for m in METHODS for n in (None, 2)])
 def test_kv_cache_generation_equals_uncached_greedy(model_type, n_steps):
     model, cfg = small(model_type)
     prompts = [ENC.encode_ordinary("the gate decides")[:3], ENC.encode_ordinary("a shared core is")[:3]]
@@ -381,3 +395,81 @@ def test_compare_formats_and_downstream_table(tmp_path):
             assert "| piqa | acc_norm | 1,838 | 0.5600 ± " not in text  # stderr is of acc, not acc_norm
             assert "| piqa | acc_norm | 1,838 | 0.5600 | 0.6100 | 0.6200 |" in text
     assert (tmp_path / "cmp" / "early_exit_overlay.png").stat().st_size > 10_000
+
+
+def test_adapter_refuses_a_depth_past_the_last_recursion():
+    model, cfg = small("mor")
+    with pytest.raises(ValueError, match=r"n_steps=4: model.type=mor exits at 0..3; score at a depth in that range"):
+        GRTLM(model=model, cfg=cfg, n_steps=4)
+
+
+def test_ouro_exit_distribution_and_q_exit_rule_by_hand():
+    """Mean p_t and, per q, the loss of exiting each token at the first loop whose cumulative p reaches q."""
+    from pipeline.eval.methods import Q_LEVELS, ouro_report
+
+    model, cfg = small("ouro")
+    with torch.no_grad():
+        model.exit_gate.bias.fill_(0.3)  # a gate that spreads the exits over the loops
+    torch.manual_seed(3)
+    batches = [(torch.randint(0, 50257, (2, 32)), torch.randint(0, 50257, (2, 32))) for _ in range(2)]
+    got = ouro_report(model, cfg.model, lambda: iter(batches), torch.device("cpu"))
+    T = cfg.model.n_recurrence
+    p = torch.cat([model.exit_distribution(x, T).reshape(-1, T) for x, _ in batches]).double()
+    ce = torch.stack([torch.cat([F.cross_entropy(model(x, n_steps=t)[0].reshape(-1, 50257).double(), y.reshape(-1),
+                                                 reduction="none") for x, y in batches]) for t in range(1, T + 1)], 1)
+    assert got["exit_probability"] == pytest.approx(p.mean(0).tolist(), abs=1e-9)
+    for row, q in zip(got["q_exit"], Q_LEVELS):
+        loss, loops = [], []
+        for i in range(p.shape[0]):
+            cum, t = 0.0, T
+            for j in range(T):
+                cum += p[i, j].item()
+                if cum >= q:
+                    t = j + 1
+                    break
+            loss.append(ce[i, t - 1].item())
+            loops.append(t)
+        assert row["loss"] == pytest.approx(sum(loss) / len(loss), rel=1e-5)
+        assert row["mean_loops"] == pytest.approx(sum(loops) / len(loops))
+    assert 1 < got["q_exit"][0]["mean_loops"] < T  # the test exercises early exits, not only the last loop
+
+
+def test_mor_report_fractions_and_causal_loss():
+    from pipeline.eval.methods import mor_report
+    from pipeline.model.mor import capacity_tokens
+
+    model, cfg = small("mor")
+    torch.manual_seed(4)
+    batches = [(torch.randint(0, 50257, (2, 32)), torch.randint(0, 50257, (2, 32)))]
+    model.routing = "topk"
+    got = mor_report(model, lambda: iter(batches), torch.device("cpu"))
+    assert model.routing == "topk"  # the report restored the mode it found
+    N = cfg.model.n_recurrence
+    assert got["topk"]["fraction"] == pytest.approx([capacity_tokens(N, r, 32) / 32 for r in range(N)])
+    frac = got["threshold"]["fraction"]
+    assert frac[0] == 1.0 and all(a >= b for a, b in zip(frac, frac[1:]))
+    model.routing = "threshold"
+    x, y = batches[0]
+    assert got["threshold"]["loss"] == pytest.approx(model(x, y)[1].item(), rel=1e-6)
+
+
+def test_compare_shows_training_throughput_and_its_ratio_to_dense(tmp_path):
+    from pipeline.eval.compare import format_results
+
+    def res(name, kind, rate):
+        return {"name": name, "type": kind, "shorthand": "x", "params": 1e6, "step": 10, "tokens_trained": 1e4,
+                "val_loss": 5.0, "exit": [1], "loss": [5.0], "train_tokens_per_s": rate}
+    text = format_results([res("dense", "gpt", 1000.0), res("mor", "mor", 800.0), res("old", "grt", None)],
+                          "markdown")
+    assert "| train tok/s | vs dense |" in text
+    assert "| 1,000 | 1.00x |" in text and "| 800 | 0.80x |" in text and "| - | - |" in text
+
+
+def test_training_throughput_is_the_median_after_the_first_two_steps(tmp_path):
+    from pipeline.eval.stage import training_throughput
+
+    rows = [{"step": 1, "tokens_per_s": 10.0}, {"step": 2, "tokens_per_s": 20.0}, {"step": 3, "tokens_per_s": 300.0},
+            {"step": 4, "tokens_per_s": 100.0}, {"step": 4, "val_loss": 5.0}, {"step": 5, "tokens_per_s": 200.0}]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n{\"step\": 6, \"tok")
+    assert training_throughput(tmp_path) == 200.0
+    assert training_throughput(tmp_path / "elsewhere") is None

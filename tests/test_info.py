@@ -57,3 +57,27 @@ def test_gpt2_small_eq1_published_figures(capsys):
     got = info("gpt2-small", capsys)
     assert got["flops_per_token"] / 1e9 == pytest.approx(0.2076, abs=5e-5)
     assert got["flops_per_token_with_head"] / 1e9 == pytest.approx(0.2848, abs=5e-5)
+
+
+def test_training_flops_of_each_method_by_hand():
+    """The trainer's MFU basis: 3x the forward, minus what Poisson's no-grad steps skip, with MoR's capacities,
+    with Ouro's head at every loop."""
+    from pipeline.config import MoRConfig, OuroConfig, PoissonConfig
+    from pipeline.model import model_class
+
+    d, S, V = 64, 32, 100
+    block = 24 * d * d + 4 * S * d
+    head = 2 * d * V
+    pc = PoissonConfig(vocab_size=V, block_size=S, d_model=d, n_head=2, n_prelude=1, n_core=2, n_coda=1,
+                       n_recurrence=4, backprop_steps=3)
+    poisson = model_class("poisson")
+    for p in (1, 3, 6):
+        fwd = (2 + 2 * p) * block + p * 4 * d * d + head
+        assert poisson.training_flops_per_token(pc, p) == 3 * fwd - 2 * max(p - 3, 0) * (2 * block + 4 * d * d)
+    oc = OuroConfig(vocab_size=V, block_size=S, d_model=d, n_head=2, n_layer=2, n_recurrence=3)
+    assert model_class("ouro").training_flops_per_token(oc) == 3 * (3 * 2 * block + 3 * 2 * d + 3 * head)
+    mc = MoRConfig(vocab_size=V, block_size=S, d_model=d, n_head=2, n_prelude=1, n_core=1, n_coda=1,
+                   n_recurrence=2)
+    ks = [32, 16]  # capacities 1 and 1/2 of S = 32; each router scores the previous recursion's 32 chosen tokens
+    executed = 2 * block + sum(k / S * 24 * d * d + (k / S) ** 2 * 4 * S * d for k in ks) + 2 * (2 * d)
+    assert model_class("mor").training_flops_per_token(mc) == pytest.approx(3 * (executed + head), rel=1e-6)

@@ -139,9 +139,9 @@ def test_optimizer_and_seed_ranges_are_checked_before_torch_sees_them():
 
 def test_dense_eval_depth_past_its_layers_is_a_recipe_error():
     dense = str(REPO / "recipes" / "quickstart-dense.yaml")
-    with pytest.raises(RecipeError, match="past the dense model's model.n_layer=6"):
+    with pytest.raises(RecipeError, match=r"past the deepest exit of model.type=gpt \(6\)"):
         load_recipe(dense, ["eval.max_steps=8"])
-    with pytest.raises(RecipeError, match="past the dense model's model.n_layer=6"):
+    with pytest.raises(RecipeError, match=r"past the deepest exit of model.type=gpt \(6\)"):
         load_recipe(dense, ["eval.task_depths=[2,7]"])
     assert load_recipe(dense, ["eval.max_steps=6", "eval.task_depths=[2,6]"]).eval.max_steps == 6
     assert load_recipe(QUICK, ["eval.max_steps=12"]).eval.max_steps == 12  # a GRT may go past its trained R

@@ -116,17 +116,27 @@ def collect(runs: list[str], tracking: TrackingConfig, experiments: list[str] | 
 
 def exit_table(results: list[dict]) -> tuple[list[str], list[list[str]], str]:
     n_exits = max(len(r["exit"]) for r in results)
-    head = ["run", "model", "shorthand", "params", "steps", "tokens", "val loss"] + [f"@{i}" for i in
-                                                                                     range(1, n_exits + 1)]
+    dense = next((r for r in results if r["type"] == "gpt" and r.get("train_tokens_per_s")), None)
+    head = ["run", "model", "shorthand", "params", "steps", "tokens", "val loss", "train tok/s"]
+    head += ["vs dense"] if dense else []
+    head += [f"@{i}" for i in range(1, n_exits + 1)]
     rows = []
     for r in results:
         val = f"{r['val_loss']:.4f}" if r.get("val_loss") is not None else "-"
+        rate = r.get("train_tokens_per_s")
         exits = {e: loss for e, loss in zip(r["exit"], r["loss"])}
-        rows.append([r["name"], r["type"], r["shorthand"], f"{r['params'] / 1e6:.2f}M", str(r["step"]),
-                     f"{r['tokens_trained'] / 1e6:.2f}M", val]
-                    + [f"{exits[i]:.3f}" if i in exits else "" for i in range(1, n_exits + 1)])
-    notes = ("val loss: validation loss at the trained depth (GRT: R recurrence steps) / full depth (dense), "
-             "nats/token; @k: loss when exiting after recurrence step k (GRT) or layer k (dense)")
+        row = [r["name"], r["type"], r["shorthand"], f"{r['params'] / 1e6:.2f}M", str(r["step"]),
+               f"{r['tokens_trained'] / 1e6:.2f}M", val, f"{rate:,.0f}" if rate else "-"]
+        if dense:
+            row.append(f"{rate / dense['train_tokens_per_s']:.2f}x" if rate else "-")
+        rows.append(row + [f"{exits[i]:.3f}" if i in exits else "" for i in range(1, n_exits + 1)])
+    notes = ("val loss: validation loss at the trained depth (recurrent: R steps / N_r recursions / T loops) or full "
+             "depth (dense), nats/token; train tok/s: median training throughput logged by the run"
+             + (f" (vs dense: ratio to {dense['name']}; runs on other machines or backends do not compare)"
+                if dense else "")
+             + "; @k: loss when exiting after recurrence step k (recurrent) or layer k (dense)"
+             + ("; mor: expert-choice top-k as trained, not causal (its causal loss: `grt eval`'s MoR report)"
+                if any(r["type"] == "mor" for r in results) else ""))
     return head, rows, notes
 
 
@@ -184,7 +194,8 @@ def format_results(results: list[dict], fmt: str = "table") -> str:
         raise ValueError(f"--format {fmt!r}: choose one of {list(FORMATS)}")
     if fmt == "json":
         keep = ("name", "type", "shorthand", "params", "step", "tokens_trained", "trained_depth", "val_loss", "exit",
-                "loss", "kl", "top1", "exit_flops", "gate_mean", "downstream", "mlflow_run_id", "experiment")
+                "loss", "kl", "top1", "exit_flops", "gate_mean", "train_tokens_per_s", "method", "downstream",
+                "mlflow_run_id", "experiment")
         return json.dumps([{k: r[k] for k in keep if k in r} for r in results], indent=2)
     head, rows, notes = exit_table(results)
     parts = [render(head, rows, fmt, notes)]

@@ -1,12 +1,15 @@
-"""lm-evaluation-harness adapter: the model class ``grt`` (GRT and dense checkpoints alike).
+"""lm-evaluation-harness adapter: the model class ``grt`` (a checkpoint of any registered model type: dense, GRT,
+Poisson, MoR, RRT, Ouro).
 
 From the shell (the package registers ``grt`` with lm-eval when lm-eval loads, see ``lm_eval_plugin``)::
 
     lm_eval --model grt --model_args checkpoint=runs/quickstart-grt,n_steps=6 \\
         --tasks lambada_openai,piqa --include_path pipeline/eval/tasks
 
-``n_steps`` is the depth to score at: recurrence steps for GRT (default: the trained R), the exit layer for the
-dense model (default: all layers). ``grt eval RUN eval.tasks=[...] eval.task_depths=[2,4,8]`` scores several
+``n_steps`` is the depth to score at: recurrence steps (GRT, Poisson: default the trained R), recursions (MoR, RRT:
+default and maximum N_r), loops (Ouro: default T), the exit layer for the dense model (default: all layers). MoR is
+scored with its causal routing (a token takes recursion r when its router's sigmoid reaches 0.5): the expert-choice
+top-k it trains with lets later tokens decide which earlier tokens get deeper, which scoring must not. ``grt eval RUN eval.tasks=[...] eval.task_depths=[2,4,8]`` scores several
 depths with one forward per batch through a shared :class:`DepthScorer`.
 """
 from __future__ import annotations
@@ -66,6 +69,12 @@ class GRTLM(TemplateLM):
             model, cfg, _, _ = load_trained(checkpoint, device=_device_arg(device))
         self.model, self.cfg = model, cfg
         self.depth = int(n_steps) if n_steps is not None else model_class(cfg.model.type).full_depth(cfg.model)
+        deepest = cfg.model.max_depth()
+        if self.depth < 0 or (deepest is not None and self.depth > deepest):
+            raise ValueError(f"n_steps={self.depth}: model.type={cfg.model.type} exits at 0.."
+                             f"{deepest if deepest is not None else 'any depth'}; score at a depth in that range")
+        if hasattr(model, "routing"):
+            model.routing = "threshold"  # MoR: causal routing for scoring and generation (see the module docstring)
         self.batch_size = 32 if str(batch_size).startswith("auto") else int(batch_size)
         self.max_length = cfg.model.block_size
         self.max_gen_toks = int(max_gen_toks)

@@ -10,7 +10,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 
 def plot_exit_curves(results: list[dict], path: str | Path, title: str = "Early exit") -> Path:
-    """Left: loss vs exit (recurrence step r for GRT, layer for dense). Right: loss vs inference GFLOPs/token.
+    """Left: loss vs exit (recurrence step / recursion / loop for a recurrent model, layer for dense). Right: loss
+    vs inference GFLOPs/token.
 
     Each result needs ``name``, ``type``, ``shorthand``, ``exit``, ``loss``, ``exit_flops``; ``trained_depth`` (R)
     is marked where present.
@@ -24,7 +25,7 @@ def plot_exit_curves(results: list[dict], path: str | Path, title: str = "Early 
                  markersize=4)
         if res.get("trained_depth"):
             ax1.axvline(res["trained_depth"], color=line.get_color(), alpha=0.3, linestyle=":")
-    ax1.set_xlabel("exit: recurrence step r (GRT) / layer (dense)")
+    ax1.set_xlabel("exit: recurrence step r (recurrent) / layer (dense)")
     ax1.set_ylabel("validation loss (nats/token)")
     ax1.set_title(f"{title}: loss at each exit (dotted: trained R)")
     ax2.set_xlabel("inference GFLOPs per token at the exit (Eq. 1 + LM head)")

@@ -12,6 +12,7 @@ import torch
 from pipeline.config import (RecipeError, RunConfig, apply_overrides, file_in_the_way, folder_problem,
                              from_dict, sqlite_file)
 from pipeline.model import build_model, model_class, model_info
+from pipeline.model.registry import NOISY_TYPES
 from pipeline.tracking import open_tracker
 from pipeline.train.backend import pick_device
 from pipeline.train.checkpoint import full_model_state, load_checkpoint, resolve_checkpoint
@@ -19,6 +20,7 @@ from pipeline.train.data import TokenShards, check_shards, validation_batches, w
 from pipeline.train.trainer import check_dataset_matches_model
 from pipeline.eval.dynamics import anchor_ablation, band_losses, decile_losses, gate_heatmaps, step_statistics
 from pipeline.eval.exits import exit_curve, exit_flops
+from pipeline.eval.methods import method_metrics, method_report, print_method_report, routing
 from pipeline.eval.plots import plot_diagnostics, plot_exit_curves, plot_gate_heatmaps
 
 
@@ -100,7 +102,8 @@ def evaluate(path: str | Path, overrides: list[str] | None = None, quiet: bool =
     recurrent = cfg.model.type != "gpt"
     trained_depth = getattr(cfg.model, "n_recurrence", None)
     ref = model_class(cfg.model.type).full_depth(cfg.model)
-    n_max = ev.max_steps or (2 * trained_depth if recurrent else cfg.model.n_layer)
+    deepest = cfg.model.max_depth()  # dense: its layers; MoR / RRT: their last recursion; others: unbounded
+    n_max = ev.max_steps or min(2 * trained_depth if recurrent else deepest, deepest or 10**9)
     exits = list(range(0 if recurrent else 1, n_max + 1))
     val = TokenShards(cfg.data.training_datasets()[0][0], "val")
     check_dataset_matches_model(val.manifest, cfg, f"the dataset at {val.dir}")
@@ -115,7 +118,8 @@ def evaluate(path: str | Path, overrides: list[str] | None = None, quiet: bool =
         return validation_batches(val, cfg.model.block_size, ev.batch_size, max_tokens=ev.val_tokens,
                                   vocab_size=cfg.model.vocab_size)
 
-    curve = exit_curve(model, batches(), exits, ref, device, keep_tokens=ev.diagnostics)
+    with routing(model, "topk"):  # MoR: its exit curve as trained (method_report adds the causal routing)
+        curve = exit_curve(model, batches(), exits, ref, device, keep_tokens=ev.diagnostics)
     shown = [i for i, e in enumerate(curve["exit"]) if e >= 1]  # r = 0 is reported apart, as loss_r0
     pick = lambda key: [curve[key][i] for i in shown]  # noqa: E731
     result = {
@@ -133,6 +137,10 @@ def evaluate(path: str | Path, overrides: list[str] | None = None, quiet: bool =
     if "gate_mean" in curve:
         result["gate_mean"] = pick("gate_mean")
     result["exit_flops"] = exit_flops(cfg.model, result["exit"])
+    result["train_tokens_per_s"] = training_throughput(run_dir_of(ckpt))
+    report = method_report(model, cfg, batches, device)
+    if report:
+        result["method"] = report
     if ev.diagnostics:
         result["diagnostics"] = diagnostics(model, cfg, curve, batches, n_max, ref, device)
     if ev.tasks:
@@ -161,6 +169,25 @@ def evaluate(path: str | Path, overrides: list[str] | None = None, quiet: bool =
     return result
 
 
+def training_throughput(run_dir: Path) -> float | None:
+    """Median training tokens/s over the run's logged steps after the first two (compilation, warm-up), from
+    ``metrics.jsonl``; None when the run folder has none (a checkpoint copied elsewhere)."""
+    import statistics
+
+    f = run_dir / "metrics.jsonl"
+    if not f.is_file():
+        return None
+    rates = []
+    for line in f.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:  # a line cut by a kill
+            continue
+        if row.get("tokens_per_s") and row.get("step", 0) > 2:
+            rates.append(row["tokens_per_s"])
+    return statistics.median(rates) if rates else None
+
+
 def check_inputs(cfg: RunConfig, out_dir: Path) -> list[dict]:
     """Raise now, naming the input, for what would otherwise fail only after the exit curves and diagnostics were
     computed: the output folder, the downstream tasks' data and lm-eval, the baseline run. Returns the baseline's
@@ -186,12 +213,12 @@ def check_inputs(cfg: RunConfig, out_dir: Path) -> list[dict]:
 
 
 def diagnostics(model, cfg, curve: dict, batches, n_max: int, ref: int, device) -> dict:
-    """Frequency bands and difficulty deciles from the per-token exit losses (both model kinds); for GRT also the
+    """Frequency bands and difficulty deciles from the per-token exit losses (every model type); for GRT also the
     per-step gate/update statistics, the anchor ablations at the trained depth and the per-token gate maps."""
     exits = curve["exit"]
     out = {"bands": band_losses(curve["token_losses"], curve["token_ids"], exits),
            "deciles": decile_losses(curve["token_losses"], exits, by_exit=exits[0])}
-    if cfg.model.type != "gpt":
+    if cfg.model.type == "grt":  # gate and anchor statistics: GRT's own mechanism
         out["steps"] = step_statistics(model, batches(), n_max, device)
         out["anchor_ablation"] = anchor_ablation(model, batches(), ref, device)
         if cfg.eval.heatmap_prompts and model.recur.gate is not None:
@@ -213,6 +240,8 @@ def log_to_mlflow(cfg, state: dict, result: dict, out_dir: Path, plots: list[Pat
             m["eval.gate_mean"] = result["gate_mean"][i]
         tracker.log_metrics(m, step=e)
     tracker.log_metrics({"eval.val_loss": result["val_loss"]}, step=state["step"])
+    for metrics, step in method_metrics(result.get("method") or {}):
+        tracker.log_metrics(metrics, step=step)
     diag = result.get("diagnostics", {})
     steps = diag.get("steps", {})
     for i, r in enumerate(steps.get("step", [])):
@@ -241,17 +270,20 @@ def log_to_mlflow(cfg, state: dict, result: dict, out_dir: Path, plots: list[Pat
 
 def print_report(result: dict) -> None:
     recurrent = result["type"] != "gpt"
-    kind = "recurrence step r" if recurrent else "layer"
+    kind = {"gpt": "layer", "mor": "recursion", "rrt": "recursion", "ouro": "loop"}.get(result["type"],
+                                                                                      "recurrence step r")
     print(f"eval: {result['name']} ({result['shorthand']}) step {result['step']}, {result['val_tokens']:,} val "
-          f"tokens, noise off, {result['seconds']:.1f} s")
+          f"tokens{', noise off' if result['type'] in NOISY_TYPES else ''}, {result['seconds']:.1f} s")
     if recurrent:
-        print(f"  before any step (r=0): loss {result['loss_r0']:.4f}")
+        print(f"  before any {kind.removesuffix(' r')} (exit 0): loss {result['loss_r0']:.4f}")
     gates = result.get("gate_mean") or [None] * len(result["exit"])
     for e, loss, kl, top1, g in zip(result["exit"], result["loss"], result["kl"], result["top1"], gates):
         mark = "  <- trained depth" if recurrent and e == result["trained_depth"] else ""
         gate = f"  gate mean {g:.3f}" if g is not None else ""
         print(f"  {kind} {e:>2}: loss {loss:.4f}  KL to {result['ref_exit']} {kl:.4f}  top-1 agree {top1:.3f}"
               f"{gate}{mark}")
+    if result.get("method"):
+        print_method_report(result["method"])
     steps = result.get("diagnostics", {}).get("steps")
     if steps:
         print("  step   rho    delta_fp  |o|      |update|" + ("  gate std  g>0.95  g<0.05" if steps.get("gate_std")

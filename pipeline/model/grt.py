@@ -263,6 +263,14 @@ class GRT(nn.Module):
         return n_steps * per_step + (once if n_steps > 0 else 0)
 
     @staticmethod
+    def flops_notes(cfg: GRTConfig) -> list[str]:
+        saved = GRT.flops_per_token(cfg) - GRT.flops_per_token(cfg, executed=True)
+        if not saved:
+            return []
+        return [f"the code runs {saved:,} FLOPs/token fewer than Eq. 1 at R={cfg.n_recurrence}: the anchor halves of "
+                f"W_proj and f_g are computed once per forward, not at every step (the same result)"]
+
+    @staticmethod
     def flops_per_token(cfg: GRTConfig, n_steps: int | None = None, with_head: bool = False,
                         seq_len: int | None = None, executed: bool = False) -> int:
         """Paper Eq. 1: (n_pre + n_rec R + n_coda)(24d^2 + 4Sd) + R * 10d^2 (+ 2dV for the head). ``executed``:

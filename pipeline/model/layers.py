@@ -35,14 +35,25 @@ class CausalSelfAttention(nn.Module):
         self.dropout = dropout
         self.resid_dropout = nn.Dropout(dropout)
 
-    def forward(self, x: torch.Tensor, kv: "KVSlot | None" = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, kv: "KVSlot | None" = None,
+                key_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Causal self-attention. ``key_mask`` ([B, T] bool, for the tokens of ``x``; a cache slot keeps those of
+        earlier tokens): which positions may be attended to; each query also sees itself, so no row is empty."""
         B, T, C = x.shape
         q, k, v = self.c_attn(x).split(C, dim=2)
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
         if kv is not None:
+            if key_mask is not None:
+                key_mask = kv.extend_key_mask(key_mask)
             k, v = kv.extend(k, v)
         past = k.shape[2] - T
-        if past == 0:
+        if key_mask is not None:
+            query_pos = torch.arange(past, past + T, device=x.device)[:, None]
+            key_pos = torch.arange(past + T, device=x.device)[None, :]
+            mask = (key_pos <= query_pos) & (key_mask[:, None, None, :] | (key_pos == query_pos))
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
+                                               dropout_p=self.dropout if self.training else 0.0)
+        elif past == 0:
             y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0,
                                                is_causal=True)
         else:  # new queries see every cached position and the new ones causally
@@ -74,8 +85,9 @@ class Block(nn.Module):
         self.ln_2 = LayerNorm(d_model, bias)
         self.mlp = MLP(d_model, dropout, bias)
 
-    def forward(self, x: torch.Tensor, kv: "KVSlot | None" = None) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x), kv)
+    def forward(self, x: torch.Tensor, kv: "KVSlot | None" = None,
+                key_mask: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), kv, key_mask)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -84,6 +96,13 @@ class KVSlot:
 
     def __init__(self):
         self.k = self.v = None
+        self.key_mask = None  # [B, T_cached] bool, kept only by callers that pass a key_mask (MoR's routing)
+
+    def extend_key_mask(self, key_mask: torch.Tensor) -> torch.Tensor:
+        if self.k is not None and self.key_mask is None:
+            raise ValueError("this cache slot was filled without a key_mask; pass key_mask on every call or none")
+        self.key_mask = key_mask if self.key_mask is None else torch.cat([self.key_mask, key_mask], dim=1)
+        return self.key_mask
 
     def extend(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         self.k = k if self.k is None else torch.cat([self.k, k], dim=2)
@@ -149,14 +168,18 @@ def param_seed(seed: int, name: str) -> int:
 def gpt2_init_value(module: nn.Module, attr: str, shape: torch.Size, gen: torch.Generator,
                     std_resid: float) -> torch.Tensor:
     """The full fp32 CPU initial value of ``module.<attr>`` under the GPT-2 rule: N(0, 0.02) for linear and embedding
-    weights, N(0, std_resid) for residual projections (``is_residual_projection``), biases at the module's
-    ``bias_init`` (0 unless set), LayerNorm weight 1 and bias 0."""
+    weights, N(0, std_resid) for residual projections (``is_residual_projection``), N(0, module.init_std) where a
+    module sets ``init_std`` (0: zeros), biases at the module's ``bias_init`` (0 unless set), LayerNorm weight 1 and
+    bias 0."""
     if isinstance(module, LayerNorm):
         return torch.ones(shape) if attr == "weight" else torch.zeros(shape)
     if isinstance(module, nn.Linear) and attr == "bias":
         return torch.full(shape, float(getattr(module, "bias_init", 0.0)))
     if isinstance(module, (nn.Linear, nn.Embedding)) and attr == "weight":
         std = std_resid if getattr(module, "is_residual_projection", False) else 0.02
+        std = getattr(module, "init_std", std)  # a module's own rule (e.g. a LoRA B at 0)
+        if std == 0:
+            return torch.zeros(shape)
         return torch.empty(shape).normal_(0.0, std, generator=gen)
     raise TypeError(f"no initialisation rule for parameter {attr!r} of {type(module).__name__}; add one to "
                     f"pipeline.model.layers.gpt2_init_value")

@@ -1,13 +1,19 @@
 """Models by ``model.type``. A new architecture is one new file plus one line here."""
 from __future__ import annotations
 
-from pipeline.config import GPTConfig, GRTConfig, ModelConfig
+from pipeline.config import GPTConfig, GRTConfig, ModelConfig, MoRConfig, OuroConfig, PoissonConfig, RRTConfig
 
 # type -> (config class, "module:Class"). Classes are imported lazily so that reading a recipe needs no torch.
 _MODELS: dict[str, tuple[type, str]] = {
     "gpt": (GPTConfig, "pipeline.model.gpt:GPT"),
     "grt": (GRTConfig, "pipeline.model.grt:GRT"),
+    # the paper's recurrent competitors (Table 1, Table 8)
+    "poisson": (PoissonConfig, "pipeline.model.poisson:PoissonDepth"),
+    "mor": (MoRConfig, "pipeline.model.mor:MoR"),
+    "rrt": (RRTConfig, "pipeline.model.rrt:RRT"),
+    "ouro": (OuroConfig, "pipeline.model.ouro:Ouro"),
 }
+NOISY_TYPES = ("grt", "poisson")  # trained with noise (GRT's state and gate noise, Poisson's random start), evaluated without
 MODEL_CONFIGS: dict[str, type] = {name: cls for name, (cls, _) in _MODELS.items()}
 
 
@@ -57,5 +63,7 @@ def model_info(cfg: ModelConfig) -> dict:
     info["flops_per_token_with_head"] = cls.flops_per_token(cfg, with_head=True)
     info["executed_flops_per_token"] = cls.flops_per_token(cfg, executed=True)  # after the exact step savings
     info["seq_len"] = cfg.block_size
+    # how the method's real cost differs from the Eq. 1 figure above (capacities, extra heads, sampled depth, ...)
+    info["flops_notes"] = cls.flops_notes(cfg) if hasattr(cls, "flops_notes") else []
     info["d_model"] = cfg.d_model
     return info

@@ -58,8 +58,11 @@ class ConsoleLogger(Callback):
     def on_eval(self, trainer, metrics: dict) -> None:
         self._file.write(json.dumps(metrics) + "\n")
         depth = f"r={metrics['val_depth']}, " if metrics.get("val_depth") is not None else ""
+        from pipeline.model.registry import NOISY_TYPES
+
+        noise = ", noise off" if trainer.cfg.model.type in NOISY_TYPES else ""
         print(f"eval step {metrics['step']} | val_loss {metrics['val_loss']:.4f} ({depth}{metrics['val_tokens']:,} "
-              f"validation tokens, noise off)", file=self.stream, flush=True)
+              f"validation tokens{noise})", file=self.stream, flush=True)
 
     def on_checkpoint(self, trainer, path, info: dict) -> None:
         self._file.write(json.dumps(info) + "\n")

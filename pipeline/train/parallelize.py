@@ -1,5 +1,6 @@
 """Parallelism applied to a built model from the outside (the model files know nothing of it): activation
-checkpointing, torch.compile and FSDP2 sharding, per block. The recurrent core is checkpointed per recurrence step and its blocks
+checkpointing, torch.compile and FSDP2 sharding, per block. Every recurrent model exposes the same parts: ``prelude``
+and ``coda`` blocks, and ``recur``, one recurrence step as a module with its looped blocks in ``recur.blocks``. The recurrent core is checkpointed per recurrence step and its blocks
 stay gathered through the forward (``reshard_after_forward=False``), so the looped core is all-gathered once per
 forward, not once per recurrence step."""
 from __future__ import annotations
@@ -69,6 +70,13 @@ def compile_targets(model: nn.Module) -> list[nn.Module]:
 
 
 def apply_compile(model: nn.Module, backend: str = "inductor") -> None:
+    import torch._dynamo
+
+    # A step that takes its recursion index (MoR's router and capacity, RRT's LoRA) compiles one graph per index and
+    # mode (training, evaluation, MoR's threshold routing): raise dynamo's recompile limit (8 in torch 2.13) above
+    # that, or the recursions past the limit would silently run uncompiled.
+    depth = getattr(model.cfg, "n_recurrence", 0)
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 3 * depth + 2)
     for module in compile_targets(model):
         module.compile(backend=backend)
 

@@ -330,8 +330,11 @@ class Trainer:
             torch.cuda.synchronize()
         dt = time.perf_counter() - t0
         flops = self.model_cls.flops_per_token(self.cfg.model, depth, with_head=True)
-        # model FLOPs utilisation: forward + backward = 3x the forward FLOPs, over the peak of all devices
-        mfu = 3 * flops * self.tokens_per_step / dt / (self.peak_flops * be.world_size) if self.peak_flops else None
+        # model FLOPs utilisation: forward + backward = 3x the forward FLOPs (or the method's own count: Poisson's
+        # no-grad steps, MoR's capacities, Ouro's heads at every loop), over the peak of all devices
+        train_flops = getattr(self.model_cls, "training_flops_per_token", None)
+        step_flops = train_flops(self.cfg.model, depth) if train_flops else 3 * flops
+        mfu = step_flops * self.tokens_per_step / dt / (self.peak_flops * be.world_size) if self.peak_flops else None
         return {"step": self.step, "loss": be.reduce_mean(loss_sum / self.accum), "grad_norm": grad_norm,
                 "lr": lr, "depth": depth, "tokens_per_s": self.tokens_per_step / dt, "step_time_s": dt,
                 "mfu": mfu,

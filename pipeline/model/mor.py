@@ -1,0 +1,261 @@
+"""Mixture-of-Recursions (Bae et al. 2025), expert-choice routing, middle-cycle sharing: prelude blocks, the n_core
+middle blocks cycled N_r times with one router per recursion, coda blocks, final LN and a tied head.
+
+Recursion r = 0..N_r-1 (written from MoR's code, raymin0223/mixture_of_recursions, expert_choice_router.py):
+    candidates C_r = the tokens chosen at recursion r-1 (C_0 = every token)             (hierarchical)
+    z_i = router_r(h_i),  a_i = alpha * sigmoid(z_i)          for i in C_r       (router_r: Linear(d, 1, bias=False))
+    chosen K_r = top-k_r of a over C_r, k_r = max(1, floor((N_r - r) T / N_r)),  sorted back into causal order
+    o = core(h[K_r])                      the blocks run on the chosen tokens alone, so they attend only to each
+                                          other (positions were added at embedding time: nothing else to gather)
+    h_i <- h_i + a_i * o_i               for i in K_r (MoR's scatter_add of weight * block output); h_i unchanged else
+Since block(x) = x + attn(..) + mlp(..) already carries its residual, writing o_i = h_i + f(h_i) gives
+    h_i <- (1 + a_i) h_i + a_i f(h_i),   a_i in (0, alpha)
+i.e. a chosen token's state is scaled up by (1 + a_i) and gets an a_i-damped block update. This follows MoR's code
+(the issue asks for it), not the residual-free reading of the paper's equation h <- g f(h) + h.
+
+Training loss = CE + aux_loss_coef * sum_r BCE_with_logits(z over C_r, 1[i in K_r]) (MoR's "aux_loss" sampling), the
+BCE averaged over the candidate tokens of each recursion as theirs is, then summed over recursions: MoR returns one
+sampling loss per recursion layer and the LM loss adds each of them (a mean would shrink the router signal with N_r).
+
+Routing modes (the attribute ``MoR.routing``, not a recipe key): "topk" (training and default evaluation: expert choice as trained, not causal: a
+token's selection depends on later tokens' scores) and "threshold" (causal: token i takes recursion r iff it took
+r-1 and sigmoid(z_i) >= 0.5, the rule the auxiliary loss trains the router for). Threshold mode runs each recursion
+at full length with the unchosen keys masked out and the unchosen tokens' outputs discarded; with a KV cache the
+routing is always threshold and each cache slot keeps every token's keys plus its chosen flag.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from pipeline.config import MoRConfig
+from pipeline.model.layers import (Block, KVCache, LayerNorm, TokenEmbedding, block_flops_per_token, cache_slot,
+                                   copy_full, head_flops_per_token, head_output, init_gpt2_weights)
+
+ROUTINGS = ("topk", "threshold")
+
+
+def capacity_tokens(n_recurrence: int, r: int, seq_len: int) -> int:
+    """k_r = max(1, floor((N_r - r)/N_r * T)): tokens chosen at recursion r (0-based); never 0, so every recursion
+    runs on every rank (FSDP / ZeRO-3 need the same module calls everywhere). Integer arithmetic: MoR's
+    int(capacity * T) without its float rounding."""
+    return max(1, (n_recurrence - r) * seq_len // n_recurrence)
+
+
+class Recursion(nn.Module):
+    """One recursion: route, run the shared core on the chosen tokens, weighted update. A module of its own so that
+    activation checkpointing and compilation wrap exactly one recursion; it holds every recursion's router."""
+
+    def __init__(self, cfg: MoRConfig):
+        super().__init__()
+        self.cfg = cfg
+        d = cfg.d_model
+        self.blocks = nn.ModuleList(Block(d, cfg.n_head, cfg.dropout, cfg.bias) for _ in range(cfg.n_core))
+        # MoR: one linear router per recursion, no bias; GPT-2's N(0, 0.02) init like every other Linear here
+        self.routers = nn.ModuleList(nn.Linear(d, 1, bias=False) for _ in range(cfg.n_recurrence))
+
+    def forward(self, h: torch.Tensor, r: int, chosen: torch.Tensor | None, threshold: bool = False,
+                cache: KVCache | None = None):
+        """(h after recursion r, the tokens it chose, BCE aux loss or None). ``chosen``: what recursion r-1 returned
+        (None at r = 0): sorted indices [B, k] in top-k mode, a [B, T] bool mask in threshold mode."""
+        if threshold:
+            return self._threshold(h, r, chosen, cache)
+        if cache is not None:
+            raise ValueError("top-k routing is not causal and cannot decode with a KV cache; use threshold routing")
+        B, T, d = h.shape
+        x = h if chosen is None else h.gather(1, chosen[..., None].expand(-1, -1, d))  # the candidates
+        logits = self.routers[r](x).squeeze(-1)  # [B, n_candidates]
+        weight = self.cfg.router_alpha * torch.sigmoid(logits)
+        k = capacity_tokens(self.cfg.n_recurrence, r, T)
+        top = weight.topk(k, dim=1, sorted=False).indices.sort(dim=1).values  # causal order among the chosen
+        index = top if chosen is None else chosen.gather(1, top)  # positions in the full sequence
+        o = x.gather(1, top[..., None].expand(-1, -1, d))
+        for block in self.blocks:
+            o = block(o)
+        h = h.scatter_add(1, index[..., None].expand(-1, -1, d), weight.gather(1, top)[..., None] * o)
+        aux = None
+        if self.training:  # MoR "aux_loss": the router learns top-k membership, so inference can threshold it
+            member = torch.zeros_like(logits).scatter(1, top, 1.0)
+            aux = F.binary_cross_entropy_with_logits(logits, member)
+        return h, index, aux
+
+    def _threshold(self, h: torch.Tensor, r: int, chosen: torch.Tensor | None, cache: KVCache | None):
+        logits = self.routers[r](h).squeeze(-1)  # [B, T]: every token, each from its own state alone (causal)
+        # Recursion 0 has capacity 1: top-k keeps every token there, so thresholding its router could only depart
+        # from training (whose BCE targets at r = 0 are all 1).
+        take = torch.ones_like(logits, dtype=torch.bool) if r == 0 else logits >= 0  # sigmoid(z) >= 0.5
+        if chosen is not None:
+            take = take & chosen
+        o = h
+        for block in self.blocks:  # full length, unchosen keys masked: the same outputs at the chosen tokens
+            o = block(o, cache_slot(cache), key_mask=take)
+        weight = torch.where(take, self.cfg.router_alpha * torch.sigmoid(logits), 0.0)
+        return h + weight[..., None] * o, take, None
+
+
+class MoR(nn.Module):
+    config_class = MoRConfig
+
+    def __init__(self, cfg: MoRConfig):
+        super().__init__()
+        self.cfg = cfg
+        d = cfg.d_model
+        self.embed = TokenEmbedding(cfg.vocab_size, cfg.block_size, d, cfg.dropout)
+        self.prelude = nn.ModuleList(Block(d, cfg.n_head, cfg.dropout, cfg.bias) for _ in range(cfg.n_prelude))
+        self.recur = Recursion(cfg)
+        self.coda = nn.ModuleList(Block(d, cfg.n_head, cfg.dropout, cfg.bias) for _ in range(cfg.n_coda))
+        self.ln_f = LayerNorm(d, cfg.bias)
+        self.lm_head = nn.Linear(d, cfg.vocab_size, bias=False)
+        self.lm_head.weight = self.embed.wte.weight  # tied head
+        self.routing = "topk"  # "topk" (as trained) | "threshold" (causal); not a parameter, not in the checkpoint
+
+    def init_weights(self, seed: int, assign=copy_full) -> None:
+        """GPT-2 init with the residual depth of every block at full length (Eq. 1's block executions)."""
+        init_gpt2_weights(self, self.block_executions(self.cfg), seed, assign)
+
+    def _depth(self, n_steps: int | None) -> int:
+        n = self.cfg.n_recurrence if n_steps is None else n_steps
+        if not 0 <= n <= self.cfg.n_recurrence:
+            raise ValueError(f"MoR depth n_steps={n} is outside 0..{self.cfg.n_recurrence} (model.n_recurrence): "
+                             f"there is no router, and no capacity left, past the last recursion")
+        return n
+
+    def _threshold(self, cache: KVCache | None) -> bool:
+        """Whether this call routes by threshold: in threshold mode, and always with a KV cache."""
+        if self.routing not in ROUTINGS:
+            raise ValueError(f"MoR.routing={self.routing!r} (the model attribute, not a recipe key); set it to one of "
+                             f"{ROUTINGS}")
+        threshold = cache is not None or self.routing == "threshold"
+        if threshold and self.training:
+            raise ValueError("MoR trains with top-k routing; threshold routing and KV caches are for evaluation: "
+                             "call model.eval() or set model.routing = 'topk'")
+        return threshold
+
+    def encode(self, idx: torch.Tensor, start: int = 0, cache: KVCache | None = None) -> torch.Tensor:
+        h = self.embed(idx, start)
+        for block in self.prelude:
+            h = block(h, cache_slot(cache))
+        return h
+
+    def readout(self, h: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        """Coda and final LN: the states the head reads."""
+        for block in self.coda:
+            h = block(h, cache_slot(cache))
+        return self.ln_f(h)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, n_steps: int | None = None,
+                cache: KVCache | None = None):
+        """(logits, None) without targets, (None, loss) with them; training: CE + aux_loss_coef * sum_r BCE_r,
+        evaluation: plain CE after ``n_steps`` recursions (default N_r). With a ``cache`` (threshold routing),
+        ``idx`` holds only the new tokens."""
+        n = self._depth(n_steps)
+        threshold = self._threshold(cache)
+        start = cache.begin() if cache is not None else 0
+        h = self.encode(idx, start, cache)
+        chosen, aux = None, []
+        for r in range(n):
+            h, chosen, bce = self.recur(h, r, chosen, threshold, cache)
+            if bce is not None:
+                aux.append(bce)
+        logits, loss = head_output(self.lm_head, self.readout(h, cache), targets)
+        if cache is not None:
+            cache.advance(idx.shape[1])
+        if loss is not None and aux and self.cfg.aux_loss_coef > 0:
+            loss = loss + self.cfg.aux_loss_coef * torch.stack(aux).sum()
+        return logits, loss
+
+    def exit_states(self, idx: torch.Tensor, exits, gates: dict | None = None):
+        """One pass, yielding (e, coda + final LN after e recursions) for each e in ``exits`` (0 = prelude only),
+        routed per ``self.routing``. ``gates`` stays untouched (MoR has none)."""
+        wanted = sorted(set(exits))
+        for e in (wanted[0], wanted[-1]):
+            self._depth(e)  # every exit within 0..N_r
+        threshold = self._threshold(None)
+        h, chosen = self.encode(idx), None
+        for e in range(wanted[-1] + 1):
+            if e > 0:
+                h, chosen, _ = self.recur(h, e - 1, chosen, threshold)
+            if e in wanted:
+                yield e, self.readout(h)
+
+    @torch.no_grad()
+    def exit_losses(self, idx: torch.Tensor, targets: torch.Tensor, n_steps: int | None = None) -> dict:
+        """Loss after e = 1..n recursions (each with its capacity) through coda, final LN and head, in one pass."""
+        n = self._depth(n_steps)
+        losses = [head_output(self.lm_head, s, targets)[1].item() for _, s in self.exit_states(idx, range(n + 1))]
+        return {"exit": list(range(1, n + 1)), "loss": losses[1:], "loss_r0": losses[0]}
+
+    @torch.no_grad()
+    def routing_statistics(self, idx: torch.Tensor) -> dict:
+        """Fraction of the tokens of ``idx`` that reach recursion 1..N_r under the current ``self.routing``."""
+        threshold = self._threshold(None)
+        B, T = idx.shape
+        h, chosen, fractions = self.encode(idx), None, []
+        for r in range(self.cfg.n_recurrence):
+            h, chosen, _ = self.recur(h, r, chosen, threshold)
+            fractions.append(chosen.double().mean().item() if threshold else chosen.shape[1] / T)
+        return {"routing": self.routing, "recursion": list(range(1, self.cfg.n_recurrence + 1)),
+                "fraction": fractions}
+
+    @staticmethod
+    def full_depth(cfg: MoRConfig) -> int:
+        return cfg.n_recurrence
+
+    # --------------------------------------------------------------------------------------------- accounting
+    def train_depth(self, seed: int, step: int) -> None:
+        return None  # every recursion in every step: the routers, not a sampled depth, set each token's depth
+
+    @staticmethod
+    def shorthand(cfg: MoRConfig) -> str:
+        return f"{cfg.n_prelude}+{cfg.n_core}x{cfg.n_recurrence}+{cfg.n_coda}"
+
+    @staticmethod
+    def block_executions(cfg: MoRConfig, n_steps: int | None = None) -> int:
+        """Eq. 1 counts every block at full length: n_prelude + n_core * N_r + n_coda."""
+        n = cfg.n_recurrence if n_steps is None else n_steps
+        return cfg.n_prelude + cfg.n_core * n + cfg.n_coda
+
+    @staticmethod
+    def executed_flops(cfg: MoRConfig, n_steps: int, seq_len: int) -> float:
+        """Forward FLOPs per token that top-k routing runs: recursion r's blocks on k_r of the S tokens (projections
+        24d^2 k_r / S, attention 4 k_r d k_r / S as queries and keys both shrink), router r on its k_{r-1}
+        candidates (2d each); prelude and coda at full length."""
+        d, S = cfg.d_model, seq_len
+        total = (cfg.n_prelude + cfg.n_coda) * S * block_flops_per_token(d, S)
+        candidates = S
+        for r in range(n_steps):
+            k = capacity_tokens(cfg.n_recurrence, r, S)
+            total += cfg.n_core * k * block_flops_per_token(d, k) + 2 * d * candidates
+            candidates = k
+        return total / S
+
+    @staticmethod
+    def flops_per_token(cfg: MoRConfig, n_steps: int | None = None, with_head: bool = False,
+                        seq_len: int | None = None, executed: bool = False) -> int:
+        """Paper Eq. 1: (n_pre + n_core N_r + n_coda)(24d^2 + 4Sd) + N_r * 2d (the routers on every token), plus
+        2dV with the head. ``executed``: what top-k routing runs, with the capacities (:meth:`executed_flops`)."""
+        n = cfg.n_recurrence if n_steps is None else n_steps
+        S = seq_len or cfg.block_size
+        if executed:
+            f = round(MoR.executed_flops(cfg, n, S))
+        else:
+            f = MoR.block_executions(cfg, n) * block_flops_per_token(cfg.d_model, S) + n * 2 * cfg.d_model
+        return f + (head_flops_per_token(cfg.d_model, cfg.vocab_size) if with_head else 0)
+
+    @staticmethod
+    def training_flops_per_token(cfg: MoRConfig, n_steps: int | None = None) -> int:
+        """Model FLOPs of one training step (3x the forward top-k routing executes, head included): the trainer's
+        MFU."""
+        return 3 * MoR.flops_per_token(cfg, n_steps, with_head=True, executed=True)
+
+    @staticmethod
+    def flops_notes(cfg: MoRConfig) -> list[str]:
+        S, N = cfg.block_size, cfg.n_recurrence
+        ks = [capacity_tokens(N, r, S) for r in range(N)]
+        eq1, run = MoR.flops_per_token(cfg), MoR.flops_per_token(cfg, executed=True)
+        return [f"MoR top-k (training, default eval) runs recursion r on k_r = {', '.join(map(str, ks))} of S={S} "
+                f"tokens (capacity (N_r - r)/N_r): projections scale with k_r/S, attention's 4Sd with (k_r/S)^2; "
+                f"executed {run:,} FLOPs/token = {run / eq1:.3f} x Eq. 1",
+                "MoR threshold routing (causal eval, KV-cache decoding) runs every recursion at full length with "
+                "the unchosen keys masked: Eq. 1's cost, not the routed tokens' share"]

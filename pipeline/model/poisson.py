@@ -1,0 +1,237 @@
+"""Heavy-tail Poisson recurrent depth (Geiping et al. 2025, "Scaling up Test-Time Compute with Latent Reasoning: A
+Recurrent Depth Approach", the Huginn model; code: seal-rg/recurrent-pretraining), the paper's Table 1 / Table 8
+baseline: prelude once, a shared core looped from a random state with the prelude output re-injected through a
+linear adapter at every step, then coda, final LN and a tied head.
+
+    h_pre  = prelude(embed(x))
+    h^(0)  ~ TruncNormal(0, s^2) on [-3s, 3s] in training, 0 in evaluation      s = init_std or sqrt(2 / (5d))
+    h^(i)  = core(A [h^(i-1), h_pre])        A: Linear(2d -> d) over the concatenation, state first;  i = 1..p
+    logits = W_e^T LN_f(coda(h^(p)))
+
+Training depth, one draw per optimizer step (the same on every rank and after a resume, see ``train_depth``):
+    lambda ~ LogNormal(log r - sigma^2 / 2, sigma),   p = Poisson(lambda) + 1,   so E[lambda] = r and E[p] = r + 1
+with truncated backprop: steps 1..max(p - k, 0) run under no_grad, the last min(k, p) with gradient. Evaluation
+runs r steps (``n_recurrence``). The loss is plain next-token cross-entropy: the method has no auxiliary objective.
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+
+import torch
+import torch.nn as nn
+
+from pipeline.config import PoissonConfig
+from pipeline.model.layers import (Block, KVCache, LayerNorm, TokenEmbedding, block_flops_per_token, cache_slot,
+                                   copy_full, head_flops_per_token, head_output, init_gpt2_weights)
+
+
+class PoissonStep(nn.Module):
+    """One recurrence step h <- core(A [h, h_pre]): the adapter and the shared core blocks, one module so that
+    activation checkpointing, compilation and FSDP wrap exactly one step.
+
+    A is a plain Linear over the concatenation, run in full at every step (Eq. 1's 4d^2 per step). GRT splits its
+    W_proj to compute the h_pre half once per forward; here the first steps of a training forward run under no_grad,
+    so a half computed there would carry no gradient to A's h_pre half, its bias and the prelude, and computing it
+    outside this module's forward would bypass FSDP/ZeRO-3 parameter gathering. The saving would be 2d^2 of
+    ~24d^2 * n_core per step; plain is simpler and correct."""
+
+    def __init__(self, cfg: PoissonConfig):
+        super().__init__()
+        d = cfg.d_model
+        self.adapter = nn.Linear(2 * d, d, bias=cfg.bias)  # A: 2d^2 (+ d)
+        self.blocks = nn.ModuleList(Block(d, cfg.n_head, cfg.dropout, cfg.bias) for _ in range(cfg.n_core))
+
+    def forward(self, h: torch.Tensor, h_pre: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        x = self.adapter(torch.cat([h, h_pre], dim=-1))  # state first, as Huginn's core_block_forward
+        for block in self.blocks:
+            x = block(x, cache_slot(cache))
+        return x
+
+
+def training_depth_pmf(mean: float, sigma: float, j_max: int, grid: int = 4001) -> list[float]:
+    """P(p = j) for j = 1..j_max under p = Poisson(LogNormal(log mean - sigma^2/2, sigma)) + 1: the Poisson pmf
+    averaged over the log-normal rate, lambda = exp(mu + sigma z), z ~ N(0, 1), by the trapezoid rule on z in
+    [-10, 10] (spectrally accurate for this smooth, Gaussian-decaying integrand: exact to ~1e-12, no sampling)."""
+    mu = math.log(mean) - sigma * sigma / 2
+    dz = 20.0 / (grid - 1)
+    pmf = [0.0] * j_max
+    for i in range(grid):
+        z = -10.0 + i * dz
+        w = math.exp(-z * z / 2) / math.sqrt(2 * math.pi) * dz * (0.5 if i in (0, grid - 1) else 1.0)
+        lam = math.exp(mu + sigma * z)
+        for m in range(j_max):  # p = m + 1
+            pmf[m] += w * math.exp(-lam + m * math.log(lam) - math.lgamma(m + 1))
+    return pmf
+
+
+class PoissonDepth(nn.Module):
+    config_class = PoissonConfig
+
+    def __init__(self, cfg: PoissonConfig):
+        super().__init__()
+        self.cfg = cfg
+        d = cfg.d_model
+        self.embed = TokenEmbedding(cfg.vocab_size, cfg.block_size, d, cfg.dropout)
+        self.prelude = nn.ModuleList(Block(d, cfg.n_head, cfg.dropout, cfg.bias) for _ in range(cfg.n_prelude))
+        self.recur = PoissonStep(cfg)
+        self.coda = nn.ModuleList(Block(d, cfg.n_head, cfg.dropout, cfg.bias) for _ in range(cfg.n_coda))
+        self.ln_f = LayerNorm(d, cfg.bias)
+        self.lm_head = nn.Linear(d, cfg.vocab_size, bias=False)
+        self.lm_head.weight = self.embed.wte.weight  # tied head
+
+    def init_weights(self, seed: int, assign=copy_full) -> None:
+        """GPT-2 init (adapter included: N(0, 0.02)); residual projections scaled by the block executions at r, as
+        Huginn scales its out-projections by the expected depth n_pre + n_core r + n_coda."""
+        init_gpt2_weights(self, self.block_executions(self.cfg), seed, assign)
+
+    # ------------------------------------------------------------------------------------------------ forward
+    def encode(self, idx: torch.Tensor, start: int = 0, cache: KVCache | None = None) -> torch.Tensor:
+        """Embeddings and prelude: h_pre, re-injected at every step."""
+        h = self.embed(idx, start)
+        for block in self.prelude:
+            h = block(h, cache_slot(cache))
+        return h
+
+    def initial_state(self, h_pre: torch.Tensor, noise: bool) -> torch.Tensor:
+        """h^(0): truncated-normal noise in training, zeros (the noise's mean) otherwise.
+
+        Huginn draws trunc_normal(std s, a=-3s, b=3s) and multiplies it by its embedding scale sqrt(d), because its
+        embeddings are scaled by sqrt(d) too; our GPT-2 embeddings are unscaled (std 0.02), so s = sqrt(2/(5d))
+        alone (0.023 at d=768) keeps the state at the embedding scale, as theirs. Noise at init only, never per step
+        (paper Table 8). Huginn also draws the noise at inference; evaluation here starts from zeros instead, so
+        exit curves and lm-eval scores are deterministic. The draw is in at least fp32 (bf16 is too coarse for the
+        inverse-CDF sampler), from the global RNG the trainer seeds per micro-batch."""
+        std = self.cfg.init_std if self.cfg.init_std is not None else math.sqrt(2 / (5 * self.cfg.d_model))
+        if not noise or std == 0:
+            return torch.zeros_like(h_pre)
+        x = torch.empty(h_pre.shape, dtype=torch.promote_types(h_pre.dtype, torch.float32), device=h_pre.device)
+        return nn.init.trunc_normal_(x, 0.0, std, -3 * std, 3 * std).to(h_pre.dtype)
+
+    def iterate(self, h: torch.Tensor, h_pre: torch.Tensor, n: int, cache: KVCache | None = None) -> torch.Tensor:
+        """n steps of ``self.recur``; in training the first max(n - k, 0) under no_grad (truncated backprop). Both
+        loops call the same modules in the same order, so FSDP/ZeRO-3 see the same calls on every rank, and
+        min(k, n) >= 1 steps with gradient reach every parameter (DDP needs no find_unused_parameters). In eval
+        mode nothing is truncated: the caller's grad mode decides."""
+        n_free = max(n - self.cfg.backprop_steps, 0) if self.training else 0
+        with torch.no_grad():
+            for _ in range(n_free):
+                h = self.recur(h, h_pre, cache)
+        for _ in range(n - n_free):
+            h = self.recur(h, h_pre, cache)
+        return h
+
+    def readout(self, h: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        """Coda and final LN: the states the head reads."""
+        for block in self.coda:
+            h = block(h, cache_slot(cache))
+        return self.ln_f(h)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, n_steps: int | None = None,
+                cache: KVCache | None = None):
+        """(logits, None) without targets, (None, loss) with them. ``n_steps``: p in training (``train_depth``),
+        default r. With a ``cache``, ``idx`` holds only the new tokens (one slot per block execution)."""
+        n = self.cfg.n_recurrence if n_steps is None else n_steps
+        if n < (1 if self.training else 0):
+            raise ValueError(f"n_steps={n_steps}: training needs at least one recurrence step (p >= 1), "
+                             f"evaluation at least 0")
+        start = cache.begin() if cache is not None else 0
+        h_pre = self.encode(idx, start, cache)
+        h = self.iterate(self.initial_state(h_pre, self.training), h_pre, n, cache)
+        out = head_output(self.lm_head, self.readout(h, cache), targets)
+        if cache is not None:
+            cache.advance(idx.shape[1])
+        return out
+
+    def exit_states(self, idx: torch.Tensor, exits, gates: dict | None = None):
+        """One pass (noise off), yielding (e, coda + final LN of h^(e)) for each e in ``exits``; e = 0 is the zero
+        initial state. No gates: a ``gates`` dict stays empty."""
+        wanted = sorted(set(exits))
+        h_pre = self.encode(idx)
+        h = self.initial_state(h_pre, noise=False)
+        for e in range(wanted[-1] + 1):
+            if e > 0:
+                h = self.recur(h, h_pre)
+            if e in wanted:
+                yield e, self.readout(h)
+
+    @torch.no_grad()
+    def exit_losses(self, idx: torch.Tensor, targets: torch.Tensor, n_steps: int | None = None) -> dict:
+        """Loss after every step e = 1..n (coda + head on h^(e)) in one pass, and after none (``loss_r0``)."""
+        n = self.cfg.n_recurrence if n_steps is None else n_steps
+        losses = [head_output(self.lm_head, s, targets)[1].item() for _, s in self.exit_states(idx, range(n + 1))]
+        return {"exit": list(range(1, n + 1)), "loss": losses[1:], "loss_r0": losses[0]}
+
+    @staticmethod
+    def full_depth(cfg: PoissonConfig) -> int:
+        """The evaluation depth: r (the mean of the training rate)."""
+        return cfg.n_recurrence
+
+    def train_depth(self, seed: int, step: int) -> int:
+        """p = Poisson(LogNormal(log r - sigma^2/2, sigma)) + 1 from a generator seeded by sha256(seed, step), never
+        the global RNG: every rank, micro-batch and resume of a step runs the same p (Huginn seeds its sampler by
+        the step for the same reason, with lockstep across ranks). The rate's location uses log r; Huginn's code
+        uses log(max(r - k, 0) + k), the same whenever r >= k (their release: r = 32, k = 8); for r < k we keep
+        E[lambda] = r, the recipe's depth."""
+        key = int.from_bytes(hashlib.sha256(f"poisson-depth:{seed}:{step}".encode()).digest()[:8], "little")
+        gen = torch.Generator().manual_seed(key)
+        r, sigma = float(self.cfg.n_recurrence), self.cfg.depth_sigma
+        rate = torch.full((1,), r, dtype=torch.float64)
+        if sigma > 0:  # log_normal_ needs std > 0; sigma = 0 is a plain Poisson(r) + 1
+            rate.log_normal_(math.log(r) - sigma * sigma / 2, sigma, generator=gen)
+        return int(torch.poisson(rate, generator=gen).item()) + 1
+
+    # --------------------------------------------------------------------------------------------- accounting
+    @staticmethod
+    def shorthand(cfg: PoissonConfig) -> str:
+        return f"{cfg.n_prelude}+{cfg.n_core}x{cfg.n_recurrence}+{cfg.n_coda}"
+
+    @staticmethod
+    def block_executions(cfg: PoissonConfig, n_steps: int | None = None) -> int:
+        n = cfg.n_recurrence if n_steps is None else n_steps
+        return cfg.n_prelude + cfg.n_core * n + cfg.n_coda
+
+    @staticmethod
+    def flops_per_token(cfg: PoissonConfig, n_steps: int | None = None, with_head: bool = False,
+                        seq_len: int | None = None, executed: bool = False) -> int:
+        """Paper Eq. 1: (n_pre + n_core n + n_coda)(24d^2 + 4Sd) + n * 4d^2 (the adapter, 2 * 2d^2 per step), plus
+        2dV for the head. ``executed`` is the same: the adapter runs in full at every step."""
+        n = cfg.n_recurrence if n_steps is None else n_steps
+        d, S = cfg.d_model, seq_len or cfg.block_size
+        f = PoissonDepth.block_executions(cfg, n) * block_flops_per_token(d, S) + n * 4 * d * d
+        return f + (head_flops_per_token(d, cfg.vocab_size) if with_head else 0)
+
+    @staticmethod
+    def training_flops_per_token(cfg: PoissonConfig, n_steps: int) -> int:
+        """Model FLOPs of one training step at depth p = ``n_steps`` (forward + backward = 3x forward, head
+        included), without the backward the first max(p - k, 0) no-grad steps skip: the trainer's MFU."""
+        step = PoissonDepth.flops_per_token(cfg, 1) - PoissonDepth.flops_per_token(cfg, 0)
+        no_grad = max(n_steps - cfg.backprop_steps, 0)
+        return 3 * PoissonDepth.flops_per_token(cfg, n_steps, with_head=True) - 2 * no_grad * step
+
+    @staticmethod
+    def expected_grad_steps(cfg: PoissonConfig) -> float:
+        """E[min(k, p)] = k - sum_{j<k} (k - j) P(p = j), exact from the Poisson-log-normal pmf."""
+        k = cfg.backprop_steps
+        pmf = training_depth_pmf(cfg.n_recurrence, cfg.depth_sigma, k - 1)
+        return k - sum((k - j) * pmf[j - 1] for j in range(1, k))
+
+    @staticmethod
+    def flops_notes(cfg: PoissonConfig) -> list[str]:
+        """How training's cost differs from Eq. 1 at r (forward FLOPs are linear in the depth, so the expectation
+        over p is Eq. 1 at E[p]; backward taken as 2x forward, per step)."""
+        r, k, f = cfg.n_recurrence, cfg.backprop_steps, PoissonDepth.flops_per_token
+        at_r, at_mean = f(cfg), f(cfg, r + 1)
+        step = f(cfg, 1) - f(cfg, 0)  # one core step: n_core blocks + the adapter
+        grad = PoissonDepth.expected_grad_steps(cfg)
+        train = 3 * f(cfg, 0) + step * (r + 1 + 2 * grad)  # prelude/coda fwd+bwd, p steps fwd, min(k,p) bwd
+        return [
+            f"training depth p = Poisson(LogNormal(log {r} - sigma^2/2, sigma={cfg.depth_sigma:g})) + 1: E[p] = {r + 1}"
+            f" steps, so a training forward averages Eq. 1 at {r + 1} = {at_mean:,} FLOPs/token, "
+            f"{at_mean / at_r:.3f}x the figure at r={r} (evaluation)",
+            f"truncated backprop: only the last min(k={k}, p) steps run backward, E[min(k, p)] = {grad:.3f} of "
+            f"E[p] = {r + 1} ({grad / (r + 1):.1%} of the core-step backward work of full backprop; exact, from the "
+            f"Poisson-log-normal pmf by quadrature)",
+            f"training FLOPs/token (forward + 2x-forward backward, head excluded): expected {train:,.0f}, "
+            f"{train / (3 * at_r):.3f}x the 3 x Eq. 1 at r={r} of full backprop at r",
+        ]

@@ -1,0 +1,256 @@
+"""Relaxed Recursive Transformer (Bae et al., ICLR 2025): a core of ``n_core`` blocks strictly shared across
+``n_recurrence`` recursions, relaxed by one LoRA per recursion on every projection of every core block.
+
+In the paper's 1+1x10+1 comparison layout: prelude blocks once, the core N_r times, coda blocks, final LN, tied head.
+
+    h^(0) = prelude(embed(x))
+    h^(r) = core_r(h^(r-1)),  r = 1..N_r        (no gate, no re-injection of h^(0): RRT has neither)
+    logits = W_e LN(coda(h^(N_r)))
+
+core_r is the shared core with every projection (attention c_attn and c_proj, MLP c_fc and c_proj) replaced by
+
+    W x + b + (alpha / rank) B_r A_r x,     A_r: rank x d_in,  B_r: d_out x rank,
+
+where W, b are shared by all recursions and (A_r, B_r) belong to recursion r alone. B_r = 0 at init, so every
+recursion starts as the strictly shared model. RRT is depth-fixed (one LoRA per recursion): it trains at N_r with
+the plain next-token loss and exits at e = 0..N_r, exit e using the LoRAs of recursions 1..e.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from pipeline.config import RRTConfig
+from pipeline.model.layers import (Block, KVCache, KVSlot, LayerNorm, TokenEmbedding, block_flops_per_token,
+                                   cache_slot, copy_full, head_flops_per_token, head_output, init_gpt2_weights)
+
+
+class LoRALinear(nn.Linear):
+    """y = W x + b + (alpha / rank) B_r A_r x for recursion r (0-based in code and checkpoint keys: ``lora_A.3`` is
+    the 4th recursion's A). W and b are the plain Linear's own parameters (same keys as a shared model's).
+
+    Init: B_r = 0 (``init_std = 0``, read by ``layers.gpt2_init_value``). A_r ~ N(0, 0.02), the GPT-2 rule of every
+    other linear weight here. The paper initialises (A_r, B_r) from a truncated SVD of the residual between a
+    pretrained layer and its tied weight; trained from scratch there is no pretrained layer, so we use the standard
+    LoRA recipe of random A and zero B instead (PEFT's Kaiming-uniform A has std 1/sqrt(3 d_in), ~0.021 at d = 768).
+    No LoRA dropout: the model's ``dropout`` already applies to the block outputs."""
+
+    def __init__(self, d_in: int, d_out: int, bias: bool, n_recurrence: int, rank: int, alpha: float):
+        super().__init__(d_in, d_out, bias=bias)
+        self.scale = alpha / rank
+        self.lora_A = nn.ModuleList(nn.Linear(d_in, rank, bias=False) for _ in range(n_recurrence))
+        self.lora_B = nn.ModuleList(nn.Linear(rank, d_out, bias=False) for _ in range(n_recurrence))
+        for lora_b in self.lora_B:
+            lora_b.init_std = 0.0  # every recursion starts identical to the strictly shared model
+
+    def forward(self, x: torch.Tensor, r: int) -> torch.Tensor:
+        return super().forward(x) + self.scale * self.lora_B[r](self.lora_A[r](x))
+
+
+class RRTAttention(nn.Module):
+    """layers.CausalSelfAttention with LoRA'd projections: the same attention math, the recursion index passed in."""
+
+    def __init__(self, cfg: RRTConfig):
+        super().__init__()
+        d, lora = cfg.d_model, (cfg.n_recurrence, cfg.lora_rank, cfg.lora_alpha)
+        self.n_head = cfg.n_head
+        self.c_attn = LoRALinear(d, 3 * d, cfg.bias, *lora)
+        self.c_proj = LoRALinear(d, d, cfg.bias, *lora)
+        self.c_proj.is_residual_projection = True  # the shared W only; its LoRA children keep std 0.02 / 0
+        self.dropout = cfg.dropout
+        self.resid_dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor, r: int, kv: KVSlot | None = None) -> torch.Tensor:
+        B, T, C = x.shape
+        q, k, v = self.c_attn(x, r).split(C, dim=2)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        if kv is not None:
+            k, v = kv.extend(k, v)
+        past = k.shape[2] - T
+        if past == 0:
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0,
+                                               is_causal=True)
+        else:  # new queries see every cached position and the new ones causally
+            mask = torch.ones(T, past + T, dtype=torch.bool, device=x.device).tril(past)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)
+        return self.resid_dropout(self.c_proj(y, r))
+
+
+class RRTMLP(nn.Module):
+    def __init__(self, cfg: RRTConfig):
+        super().__init__()
+        d, lora = cfg.d_model, (cfg.n_recurrence, cfg.lora_rank, cfg.lora_alpha)
+        self.c_fc = LoRALinear(d, 4 * d, cfg.bias, *lora)
+        self.c_proj = LoRALinear(4 * d, d, cfg.bias, *lora)
+        self.c_proj.is_residual_projection = True
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor, r: int) -> torch.Tensor:
+        return self.dropout(self.c_proj(F.gelu(self.c_fc(x, r)), r))
+
+
+class RRTBlock(nn.Module):
+    """A pre-LN block (layers.Block's names and math) whose projections carry one LoRA per recursion."""
+
+    def __init__(self, cfg: RRTConfig):
+        super().__init__()
+        self.ln_1 = LayerNorm(cfg.d_model, cfg.bias)
+        self.attn = RRTAttention(cfg)
+        self.ln_2 = LayerNorm(cfg.d_model, cfg.bias)
+        self.mlp = RRTMLP(cfg)
+
+    def forward(self, x: torch.Tensor, r: int, kv: KVSlot | None = None) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), r, kv)
+        return x + self.mlp(self.ln_2(x), r)
+
+
+class Recursion(nn.Module):
+    """One recursion h <- core_r(h): the shared blocks with recursion r's LoRAs. One module call per recursion, the
+    index an explicit int argument, so checkpointing, FSDP and compile wrap exactly one recursion."""
+
+    def __init__(self, cfg: RRTConfig):
+        super().__init__()
+        self.blocks = nn.ModuleList(RRTBlock(cfg) for _ in range(cfg.n_core))
+
+    def forward(self, h: torch.Tensor, r: int, cache: KVCache | None = None) -> torch.Tensor:
+        for block in self.blocks:
+            h = block(h, r, cache_slot(cache))
+        return h
+
+
+class RRT(nn.Module):
+    config_class = RRTConfig
+
+    def __init__(self, cfg: RRTConfig):
+        super().__init__()
+        self.cfg = cfg
+        d = cfg.d_model
+        self.embed = TokenEmbedding(cfg.vocab_size, cfg.block_size, d, cfg.dropout)
+        self.prelude = nn.ModuleList(Block(d, cfg.n_head, cfg.dropout, cfg.bias) for _ in range(cfg.n_prelude))
+        self.recur = Recursion(cfg)
+        self.coda = nn.ModuleList(Block(d, cfg.n_head, cfg.dropout, cfg.bias) for _ in range(cfg.n_coda))
+        self.ln_f = LayerNorm(d, cfg.bias)
+        self.lm_head = nn.Linear(d, cfg.vocab_size, bias=False)
+        self.lm_head.weight = self.embed.wte.weight  # tied head
+
+    def init_weights(self, seed: int, assign=copy_full) -> None:
+        """GPT-2 init, each parameter from its own generator seeded by (seed, name); residual projections scaled by
+        the block executions at N_r; LoRA A ~ N(0, 0.02), LoRA B = 0."""
+        init_gpt2_weights(self, self.block_executions(self.cfg), seed, assign)
+
+    # ------------------------------------------------------------------------------------------------ forward
+    def encode(self, idx: torch.Tensor, start: int = 0, cache: KVCache | None = None) -> torch.Tensor:
+        """Embeddings and prelude: h^(0)."""
+        h = self.embed(idx, start)
+        for block in self.prelude:
+            h = block(h, cache_slot(cache))
+        return h
+
+    def readout(self, h: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        """Coda and final LN: the states the head reads."""
+        for block in self.coda:
+            h = block(h, cache_slot(cache))
+        return self.ln_f(h)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, n_steps: int | None = None,
+                cache: KVCache | None = None):
+        """(logits, None) without targets, (None, loss) with them: the plain next-token loss, in training and
+        evaluation alike (RRT's objective). ``n_steps`` = exit e in 0..N_r (default N_r). With a ``cache``, ``idx``
+        holds only the new tokens."""
+        n = self._depth(n_steps)
+        start = cache.begin() if cache is not None else 0
+        h = self.encode(idx, start, cache)
+        for r in range(n):
+            h = self.recur(h, r, cache)
+        out = head_output(self.lm_head, self.readout(h, cache), targets)
+        if cache is not None:
+            cache.advance(idx.shape[1])
+        return out
+
+    def exit_states(self, idx: torch.Tensor, exits, gates: dict | None = None):
+        """One pass, yielding (e, coda + final LN of h^(e)) for each e in ``exits`` (0 = the prelude output). No
+        gate: a ``gates`` dict stays empty."""
+        wanted = sorted(set(exits))
+        h = self.encode(idx)
+        for e in range(self._depth(wanted[-1]) + 1):
+            if e > 0:
+                h = self.recur(h, e - 1)
+            if e in wanted:
+                yield e, self.readout(h)
+
+    @torch.no_grad()
+    def exit_losses(self, idx: torch.Tensor, targets: torch.Tensor, n_steps: int | None = None) -> dict:
+        """Loss after each recursion e = 1..n through coda and head, in one pass; ``loss_r0`` at e = 0."""
+        n = self._depth(n_steps)
+        losses = [head_output(self.lm_head, s, targets)[1].item() for _, s in self.exit_states(idx, range(n + 1))]
+        return {"exit": list(range(1, n + 1)), "loss": losses[1:], "loss_r0": losses[0]}
+
+    def _depth(self, n_steps: int | None) -> int:
+        N = self.cfg.n_recurrence
+        if n_steps is None:
+            return N
+        if not 0 <= n_steps <= N:
+            raise ValueError(f"n_steps={n_steps} is outside 0..{N}: RRT has one LoRA per recursion up to "
+                             f"model.n_recurrence={N}, so it cannot recurse further; exit at a depth in 0..{N}")
+        return n_steps
+
+    @staticmethod
+    def full_depth(cfg: RRTConfig) -> int:
+        """The trained depth: all N_r recursions."""
+        return cfg.n_recurrence
+
+    # --------------------------------------------------------------------------------------------- accounting
+    def train_depth(self, seed: int, step: int) -> None:
+        return None  # depth-fixed (the paper's Table 8): every step trains at N_r
+
+    @staticmethod
+    def shorthand(cfg: RRTConfig) -> str:
+        return f"{cfg.n_prelude}+{cfg.n_core}x{cfg.n_recurrence}+{cfg.n_coda}"
+
+    @staticmethod
+    def block_executions(cfg: RRTConfig, n_steps: int | None = None) -> int:
+        n = cfg.n_recurrence if n_steps is None else n_steps
+        return cfg.n_prelude + cfg.n_core * n + cfg.n_coda
+
+    @staticmethod
+    def lora_dims_sum(cfg: RRTConfig) -> int:
+        """Sum of d_in + d_out over a block's four projections: c_attn 4d, attn c_proj 2d, c_fc 5d, mlp c_proj 5d."""
+        return 16 * cfg.d_model
+
+    @staticmethod
+    def lora_params(cfg: RRTConfig) -> int:
+        """N_r * n_core * sum_proj rank (d_in + d_out): every recursion's A and B on every core projection."""
+        return cfg.n_recurrence * cfg.n_core * cfg.lora_rank * RRT.lora_dims_sum(cfg)
+
+    @staticmethod
+    def lora_flops_per_token(cfg: RRTConfig, n_steps: int | None = None) -> int:
+        """Per recursion and core block, each projection's A x and B (A x): 2 rank (d_in + d_out) FLOPs."""
+        n = cfg.n_recurrence if n_steps is None else n_steps
+        return n * cfg.n_core * 2 * cfg.lora_rank * RRT.lora_dims_sum(cfg)
+
+    @staticmethod
+    def flops_per_token(cfg: RRTConfig, n_steps: int | None = None, with_head: bool = False,
+                        seq_len: int | None = None, executed: bool = False) -> int:
+        """Paper Eq. 1: (n_pre + n_core e + n_coda)(24d^2 + 4Sd) + e * n_core * 32 rank d (the LoRA matmuls)
+        (+ 2dV for the head). ``executed`` changes nothing: the code runs exactly these matmuls."""
+        S = seq_len or cfg.block_size
+        f = RRT.block_executions(cfg, n_steps) * block_flops_per_token(cfg.d_model, S)
+        f += RRT.lora_flops_per_token(cfg, n_steps)
+        return f + (head_flops_per_token(cfg.d_model, cfg.vocab_size) if with_head else 0)
+
+    @staticmethod
+    def flops_notes(cfg: RRTConfig) -> list[str]:
+        d, S = cfg.d_model, cfg.block_size
+        lora_f = RRT.lora_flops_per_token(cfg)
+        blocks_f = RRT.block_executions(cfg) * block_flops_per_token(d, S)
+        block_p = 12 * d * d + (13 * d if cfg.bias else 2 * d)
+        shared_p = ((cfg.n_prelude + cfg.n_core + cfg.n_coda) * block_p + (2 * d if cfg.bias else d)
+                    + (cfg.vocab_size + S) * d)
+        lora_p = RRT.lora_params(cfg)
+        return [f"LoRA matmuls (rank {cfg.lora_rank}, {cfg.n_recurrence} recursions x {cfg.n_core} core block(s) x 4 "
+                f"projections): {lora_f:,} FLOPs/token, {100 * lora_f / (blocks_f + lora_f):.2f}% of the Eq. 1 "
+                f"figure without head (included in it)",
+                f"LoRA parameters: {lora_p:,} ({100 * lora_p / (shared_p + lora_p):.2f}% of the model's "
+                f"{shared_p + lora_p:,}; the strictly shared model has {shared_p:,})"]

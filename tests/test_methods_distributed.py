@@ -1,0 +1,124 @@
+"""The paper's four recurrent competitors (poisson, mor, rrt, ouro) under every backend, launched as a user would:
+
+- each trains 10 steps in one process, and on 2 ranks under ddp, fsdp and DeepSpeed ZeRO-3; every 2-rank run is
+  SIGKILLed after step 7 (checkpoint at 5) and started again, and its per-step losses — steps 1-7 from the killed run,
+  6-10 from the resumed one — equal the one-process run's (rel 1e-5: only the reduction order differs, fp32);
+- Poisson's depth sampler and truncated backprop survive a SIGKILL exactly (one process: bit-equal losses);
+- `grt eval` reads the last checkpoint of every backend (full, DCP sharded, DeepSpeed) and gives the same validation
+  loss as the one-process run's.
+"""
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+
+import pytest
+import yaml
+
+from conftest import make_corpus, step_losses, subprocess_env, tiny_recipe
+from test_distributed import REPO, command, run
+
+pytestmark = pytest.mark.slow
+
+STEPS, CKPT_EVERY, KILL_AFTER = 10, 5, 7
+METHODS = {
+    # backprop_steps 2 < the sampled depths: most steps run some recurrence steps without gradient
+    "poisson": {"type": "poisson", "n_prelude": 1, "n_core": 1, "n_coda": 1, "n_recurrence": 3,
+                "backprop_steps": 2},
+    "mor": {"type": "mor", "n_prelude": 1, "n_core": 1, "n_coda": 1, "n_recurrence": 3},
+    "rrt": {"type": "rrt", "n_prelude": 1, "n_core": 1, "n_coda": 1, "n_recurrence": 3, "lora_rank": 4,
+            "lora_alpha": 8.0},
+    "ouro": {"type": "ouro", "n_layer": 2, "n_recurrence": 3},
+}
+SHARDED = ["ddp", "fsdp", "zero3"]
+
+
+@pytest.fixture(scope="module")
+def recipes(tmp_path_factory):
+    """One recipe per method over one tokenized corpus."""
+    from pipeline.config import from_dict
+    from pipeline.tokenize import tokenize
+
+    tmp = tmp_path_factory.mktemp("methods")
+    corpus = make_corpus(tmp / "corpus", n_docs=90)
+    out = {}
+    for name, model in METHODS.items():
+        recipe = tiny_recipe(tmp, corpus)
+        recipe["model"] = {"block_size": 32, "d_model": 32, "n_head": 2, **model}
+        recipe["train"].update(micro_batch_size=2, grad_accum_steps=4, log_interval=1, max_steps=STEPS,
+                               checkpoint_interval=CKPT_EVERY, eval_interval=5, collective_timeout_s=30)
+        recipe["eval"].update(diagnostics=False)
+        if name == "mor":
+            recipe["eval"]["max_steps"] = 3
+        path = tmp / f"{name}.yaml"
+        path.write_text(yaml.safe_dump(recipe))
+        out[name] = path
+    tokenize(from_dict(yaml.safe_load(out["poisson"].read_text())).data, quiet=True)
+    return tmp, out
+
+
+def killed_then_resumed(backend: str, recipe, name: str) -> None:
+    p = subprocess.run(command(backend, recipe, name), cwd=REPO, capture_output=True, text=True, timeout=600,
+                       env=subprocess_env(GRT_FAULT_KILL_AT_STEP=str(KILL_AFTER)))
+    assert p.returncode != 0, p.stdout[-2000:] + p.stderr[-2000:]
+    run(backend, recipe, name)  # starts again from the checkpoint at step 5
+
+
+@pytest.fixture(scope="module")
+def trained(recipes):
+    """{(method, backend): per-step losses}; the 2-rank runs are killed once and resumed."""
+    tmp, paths = recipes
+    losses = {}
+    for method, recipe in paths.items():
+        run("single", recipe, f"{method}-single")
+        losses[(method, "single")] = step_losses(tmp / "runs" / f"{method}-single")
+        for backend in SHARDED:
+            name = f"{method}-{backend}"
+            killed_then_resumed(backend, recipe, name)
+            losses[(method, backend)] = step_losses(tmp / "runs" / name)
+    return losses
+
+
+@pytest.mark.parametrize("backend", SHARDED)
+@pytest.mark.parametrize("method", list(METHODS))
+def test_killed_and_resumed_two_rank_runs_equal_one_process(trained, method, backend):
+    single, other = trained[(method, "single")], trained[(method, backend)]
+    assert sorted(single) == sorted(other) == list(range(1, STEPS + 1))
+    assert all(math.isfinite(v) for v in single.values())
+    for step in range(1, STEPS + 1):
+        assert other[step] == pytest.approx(single[step], rel=1e-5, abs=1e-6), (method, backend, step)
+
+
+def test_poisson_depths_and_truncated_backprop_resume_exactly_after_sigkill(recipes, trained):
+    tmp, paths = recipes
+    killed_then_resumed("single", paths["poisson"], "poisson-killed")
+    resumed, full = step_losses(tmp / "runs" / "poisson-killed"), trained[("poisson", "single")]
+    assert [resumed[s] for s in range(CKPT_EVERY + 1, STEPS + 1)] == [full[s] for s in range(CKPT_EVERY + 1,
+                                                                                             STEPS + 1)]
+    depths = {}
+    for line in (tmp / "runs" / "poisson-single" / "metrics.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        if "depth" in row:
+            depths[row["step"]] = row["depth"]
+    assert len(set(depths.values())) > 1, f"the sampled depth never changed over {STEPS} steps: {depths}"
+    assert max(depths.values()) > METHODS["poisson"]["backprop_steps"], "no step ran without gradient"
+
+
+@pytest.mark.parametrize("method", list(METHODS))
+def test_eval_reads_the_checkpoint_of_every_backend(recipes, trained, method):
+    from pipeline.eval.stage import evaluate
+
+    tmp, _ = recipes
+    results = {b: evaluate(tmp / "runs" / f"{method}-{b}", ["tracking.enabled=false"], quiet=True)
+               for b in ["single", *SHARDED]}
+    ref = results["single"]
+    assert ref["step"] == STEPS and math.isfinite(ref["val_loss"])
+    assert len(ref["exit"]) == len(ref["loss"]) >= 3
+    for b, res in results.items():
+        assert res["val_loss"] == pytest.approx(ref["val_loss"], rel=1e-4), (method, b)
+    if method == "mor":
+        assert [round(f, 6) for f in ref["method"]["mor"]["topk"]["fraction"]] == \
+            [1.0, round(int(2 / 3 * 32) / 32, 6), round(int(1 / 3 * 32) / 32, 6)]
+    if method == "ouro":
+        assert sum(ref["method"]["ouro"]["exit_probability"]) == pytest.approx(1.0, abs=1e-6)
