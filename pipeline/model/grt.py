@@ -20,7 +20,8 @@ import torch.nn.functional as F
 
 from ops import gate_update, gated_update, new_seed, state_noise
 from pipeline.config import GRTConfig
-from pipeline.model.layers import (Block, KVCache, LayerNorm, TokenEmbedding, block_flops_per_token, cache_slot,
+from pipeline.model.recurrent import RecurrentLM
+from pipeline.model.layers import (Block, KVCache, LayerNorm, block_flops_per_token, cache_slot,
                                    copy_full, head_flops_per_token, head_output, init_gpt2_weights)
 
 
@@ -123,20 +124,11 @@ class ExitCurve:
     loss_r0: float  # coda + head applied to h^(0) (prelude only when init_state=prelude)
 
 
-class GRT(nn.Module):
+class GRT(RecurrentLM):
     config_class = GRTConfig
 
     def __init__(self, cfg: GRTConfig):
-        super().__init__()
-        self.cfg = cfg
-        d = cfg.d_model
-        self.embed = TokenEmbedding(cfg.vocab_size, cfg.block_size, d, cfg.dropout)
-        self.prelude = nn.ModuleList(Block(d, cfg.n_head, cfg.dropout, cfg.bias) for _ in range(cfg.n_prelude))
-        self.recur = RecurrentStep(cfg)
-        self.coda = nn.ModuleList(Block(d, cfg.n_head, cfg.dropout, cfg.bias) for _ in range(cfg.n_coda))
-        self.ln_f = LayerNorm(d, cfg.bias)
-        self.lm_head = nn.Linear(d, cfg.vocab_size, bias=False)
-        self.lm_head.weight = self.embed.wte.weight  # tied head
+        super().__init__(cfg, RecurrentStep(cfg))
 
     def init_weights(self, seed: int, assign=copy_full) -> None:
         """GPT-2 init, each parameter from its own generator seeded by (seed, name) (see ``init_gpt2_weights``); the
@@ -145,13 +137,6 @@ class GRT(nn.Module):
         init_gpt2_weights(self, self.block_executions(self.cfg), seed, assign)
 
     # ------------------------------------------------------------------------------------------------ forward
-    def encode(self, idx: torch.Tensor, start: int = 0, cache: KVCache | None = None) -> torch.Tensor:
-        """Embeddings and prelude: h_pre, the fixed anchor of every recurrence step."""
-        h = self.embed(idx, start)
-        for block in self.prelude:
-            h = block(h, cache_slot(cache))
-        return h
-
     def initial_state(self, h_pre: torch.Tensor, noise: bool) -> torch.Tensor:
         # h^(0) = h_pre by default: the paper's Algorithm 1 (Appendix A) sets "h^(0) = h^(pre)", and its Figure 9
         # reports the gate=1 model equal to the prelude-only output, which holds only if h^(0) = h_pre.
@@ -172,12 +157,6 @@ class GRT(nn.Module):
         """Coda, final LN and the tied head applied to a recurrent state: (logits, None) without targets,
         (None, loss) with them (the fused loss never builds the logits)."""
         return head_output(self.lm_head, self.readout(h, cache), targets)
-
-    def readout(self, h: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
-        """Coda and final LN: the states the head reads."""
-        for block in self.coda:
-            h = block(h, cache_slot(cache))
-        return self.ln_f(h)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, n_steps: int | None = None,
                 cache: KVCache | None = None):
@@ -222,11 +201,6 @@ class GRT(nn.Module):
                   for _, states in self.exit_states(idx, range(n + 1), gates)]
         return vars(ExitCurve(list(range(1, n + 1)), losses[1:], list(gates.values()) or None, losses[0]))
 
-    @staticmethod
-    def full_depth(cfg: GRTConfig) -> int:
-        """The depth the model was trained for: R."""
-        return cfg.n_recurrence
-
     # --------------------------------------------------------------------------------------------- accounting
     def train_depth(self, seed: int, step: int) -> int:
         """r ~ U{1..R} per training step (paper §3.4) from a generator seeded by (seed, step), never the global RNG:
@@ -237,15 +211,6 @@ class GRT(nn.Module):
         key = int.from_bytes(hashlib.sha256(f"depth:{seed}:{step}".encode()).digest()[:8], "little")
         gen = torch.Generator().manual_seed(key)
         return int(torch.randint(1, self.cfg.n_recurrence + 1, (1,), generator=gen).item())
-
-    @staticmethod
-    def shorthand(cfg: GRTConfig) -> str:
-        return f"{cfg.n_prelude}+{cfg.n_core}x{cfg.n_recurrence}+{cfg.n_coda}"
-
-    @staticmethod
-    def block_executions(cfg: GRTConfig, n_steps: int | None = None) -> int:
-        n = cfg.n_recurrence if n_steps is None else n_steps
-        return cfg.n_prelude + cfg.n_core * n + cfg.n_coda
 
     @staticmethod
     def step_overhead_flops(cfg: GRTConfig) -> int:

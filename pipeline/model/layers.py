@@ -46,21 +46,26 @@ class CausalSelfAttention(nn.Module):
             if key_mask is not None:
                 key_mask = kv.extend_key_mask(key_mask)
             k, v = kv.extend(k, v)
-        past = k.shape[2] - T
-        if key_mask is not None:
-            query_pos = torch.arange(past, past + T, device=x.device)[:, None]
-            key_pos = torch.arange(past + T, device=x.device)[None, :]
-            mask = (key_pos <= query_pos) & (key_mask[:, None, None, :] | (key_pos == query_pos))
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
-                                               dropout_p=self.dropout if self.training else 0.0)
-        elif past == 0:
-            y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0,
-                                               is_causal=True)
-        else:  # new queries see every cached position and the new ones causally
-            mask = torch.ones(T, past + T, dtype=torch.bool, device=x.device).tril(past)
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        y = causal_attention(q, k, v, self.dropout if self.training else 0.0, key_mask)
         y = y.transpose(1, 2).contiguous().view(B, T, C)
         return self.resid_dropout(self.c_proj(y))
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0,
+                     key_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Scaled dot-product attention [B, H, T, hd] of the T queries, which are the last T of the keys' positions
+    (the earlier ones come from a cache), causally; ``key_mask`` ([B, keys] bool) further limits which keys may be
+    attended to, each query always seeing itself. Dropout only in the uncached paths (training never caches)."""
+    T, past = q.shape[2], k.shape[2] - q.shape[2]
+    if key_mask is not None:
+        query_pos = torch.arange(past, past + T, device=q.device)[:, None]
+        key_pos = torch.arange(past + T, device=q.device)[None, :]
+        mask = (key_pos <= query_pos) & (key_mask[:, None, None, :] | (key_pos == query_pos))
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
+    if past == 0:
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
+    mask = torch.ones(T, past + T, dtype=torch.bool, device=q.device).tril(past)  # cached keys, then causal
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
 class MLP(nn.Module):

@@ -30,7 +30,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from pipeline.config import MoRConfig
-from pipeline.model.layers import (Block, KVCache, LayerNorm, TokenEmbedding, block_flops_per_token, cache_slot,
+from pipeline.model.recurrent import RecurrentLM
+from pipeline.model.layers import (Block, KVCache, block_flops_per_token, cache_slot,
                                    copy_full, head_flops_per_token, head_output, init_gpt2_weights)
 
 ROUTINGS = ("topk", "threshold")
@@ -94,20 +95,11 @@ class Recursion(nn.Module):
         return h + weight[..., None] * o, take, None
 
 
-class MoR(nn.Module):
+class MoR(RecurrentLM):
     config_class = MoRConfig
 
     def __init__(self, cfg: MoRConfig):
-        super().__init__()
-        self.cfg = cfg
-        d = cfg.d_model
-        self.embed = TokenEmbedding(cfg.vocab_size, cfg.block_size, d, cfg.dropout)
-        self.prelude = nn.ModuleList(Block(d, cfg.n_head, cfg.dropout, cfg.bias) for _ in range(cfg.n_prelude))
-        self.recur = Recursion(cfg)
-        self.coda = nn.ModuleList(Block(d, cfg.n_head, cfg.dropout, cfg.bias) for _ in range(cfg.n_coda))
-        self.ln_f = LayerNorm(d, cfg.bias)
-        self.lm_head = nn.Linear(d, cfg.vocab_size, bias=False)
-        self.lm_head.weight = self.embed.wte.weight  # tied head
+        super().__init__(cfg, Recursion(cfg))
         self.routing = "topk"  # "topk" (as trained) | "threshold" (causal); not a parameter, not in the checkpoint
 
     def init_weights(self, seed: int, assign=copy_full) -> None:
@@ -131,18 +123,6 @@ class MoR(nn.Module):
             raise ValueError("MoR trains with top-k routing; threshold routing and KV caches are for evaluation: "
                              "call model.eval() or set model.routing = 'topk'")
         return threshold
-
-    def encode(self, idx: torch.Tensor, start: int = 0, cache: KVCache | None = None) -> torch.Tensor:
-        h = self.embed(idx, start)
-        for block in self.prelude:
-            h = block(h, cache_slot(cache))
-        return h
-
-    def readout(self, h: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
-        """Coda and final LN: the states the head reads."""
-        for block in self.coda:
-            h = block(h, cache_slot(cache))
-        return self.ln_f(h)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, n_steps: int | None = None,
                 cache: KVCache | None = None):
@@ -180,13 +160,6 @@ class MoR(nn.Module):
                 yield e, self.readout(h)
 
     @torch.no_grad()
-    def exit_losses(self, idx: torch.Tensor, targets: torch.Tensor, n_steps: int | None = None) -> dict:
-        """Loss after e = 1..n recursions (each with its capacity) through coda, final LN and head, in one pass."""
-        n = self._depth(n_steps)
-        losses = [head_output(self.lm_head, s, targets)[1].item() for _, s in self.exit_states(idx, range(n + 1))]
-        return {"exit": list(range(1, n + 1)), "loss": losses[1:], "loss_r0": losses[0]}
-
-    @torch.no_grad()
     def routing_statistics(self, idx: torch.Tensor) -> dict:
         """Fraction of the tokens of ``idx`` that reach recursion 1..N_r under the current ``self.routing``."""
         threshold = self._threshold(None)
@@ -198,23 +171,9 @@ class MoR(nn.Module):
         return {"routing": self.routing, "recursion": list(range(1, self.cfg.n_recurrence + 1)),
                 "fraction": fractions}
 
-    @staticmethod
-    def full_depth(cfg: MoRConfig) -> int:
-        return cfg.n_recurrence
-
     # --------------------------------------------------------------------------------------------- accounting
     def train_depth(self, seed: int, step: int) -> None:
         return None  # every recursion in every step: the routers, not a sampled depth, set each token's depth
-
-    @staticmethod
-    def shorthand(cfg: MoRConfig) -> str:
-        return f"{cfg.n_prelude}+{cfg.n_core}x{cfg.n_recurrence}+{cfg.n_coda}"
-
-    @staticmethod
-    def block_executions(cfg: MoRConfig, n_steps: int | None = None) -> int:
-        """Eq. 1 counts every block at full length: n_prelude + n_core * N_r + n_coda."""
-        n = cfg.n_recurrence if n_steps is None else n_steps
-        return cfg.n_prelude + cfg.n_core * n + cfg.n_coda
 
     @staticmethod
     def executed_flops(cfg: MoRConfig, n_steps: int, seq_len: int) -> float:

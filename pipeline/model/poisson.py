@@ -22,7 +22,8 @@ import torch
 import torch.nn as nn
 
 from pipeline.config import PoissonConfig
-from pipeline.model.layers import (Block, KVCache, LayerNorm, TokenEmbedding, block_flops_per_token, cache_slot,
+from pipeline.model.recurrent import RecurrentLM
+from pipeline.model.layers import (Block, KVCache, block_flops_per_token, cache_slot,
                                    copy_full, head_flops_per_token, head_output, init_gpt2_weights)
 
 
@@ -65,20 +66,11 @@ def training_depth_pmf(mean: float, sigma: float, j_max: int, grid: int = 4001) 
     return pmf
 
 
-class PoissonDepth(nn.Module):
+class PoissonDepth(RecurrentLM):
     config_class = PoissonConfig
 
     def __init__(self, cfg: PoissonConfig):
-        super().__init__()
-        self.cfg = cfg
-        d = cfg.d_model
-        self.embed = TokenEmbedding(cfg.vocab_size, cfg.block_size, d, cfg.dropout)
-        self.prelude = nn.ModuleList(Block(d, cfg.n_head, cfg.dropout, cfg.bias) for _ in range(cfg.n_prelude))
-        self.recur = PoissonStep(cfg)
-        self.coda = nn.ModuleList(Block(d, cfg.n_head, cfg.dropout, cfg.bias) for _ in range(cfg.n_coda))
-        self.ln_f = LayerNorm(d, cfg.bias)
-        self.lm_head = nn.Linear(d, cfg.vocab_size, bias=False)
-        self.lm_head.weight = self.embed.wte.weight  # tied head
+        super().__init__(cfg, PoissonStep(cfg))
 
     def init_weights(self, seed: int, assign=copy_full) -> None:
         """GPT-2 init (adapter included: N(0, 0.02)); residual projections scaled by the block executions at r, as
@@ -86,13 +78,6 @@ class PoissonDepth(nn.Module):
         init_gpt2_weights(self, self.block_executions(self.cfg), seed, assign)
 
     # ------------------------------------------------------------------------------------------------ forward
-    def encode(self, idx: torch.Tensor, start: int = 0, cache: KVCache | None = None) -> torch.Tensor:
-        """Embeddings and prelude: h_pre, re-injected at every step."""
-        h = self.embed(idx, start)
-        for block in self.prelude:
-            h = block(h, cache_slot(cache))
-        return h
-
     def initial_state(self, h_pre: torch.Tensor, noise: bool) -> torch.Tensor:
         """h^(0): truncated-normal noise in training, zeros (the noise's mean) otherwise.
 
@@ -120,12 +105,6 @@ class PoissonDepth(nn.Module):
         for _ in range(n - n_free):
             h = self.recur(h, h_pre, cache)
         return h
-
-    def readout(self, h: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
-        """Coda and final LN: the states the head reads."""
-        for block in self.coda:
-            h = block(h, cache_slot(cache))
-        return self.ln_f(h)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, n_steps: int | None = None,
                 cache: KVCache | None = None):
@@ -155,18 +134,6 @@ class PoissonDepth(nn.Module):
             if e in wanted:
                 yield e, self.readout(h)
 
-    @torch.no_grad()
-    def exit_losses(self, idx: torch.Tensor, targets: torch.Tensor, n_steps: int | None = None) -> dict:
-        """Loss after every step e = 1..n (coda + head on h^(e)) in one pass, and after none (``loss_r0``)."""
-        n = self.cfg.n_recurrence if n_steps is None else n_steps
-        losses = [head_output(self.lm_head, s, targets)[1].item() for _, s in self.exit_states(idx, range(n + 1))]
-        return {"exit": list(range(1, n + 1)), "loss": losses[1:], "loss_r0": losses[0]}
-
-    @staticmethod
-    def full_depth(cfg: PoissonConfig) -> int:
-        """The evaluation depth: r (the mean of the training rate)."""
-        return cfg.n_recurrence
-
     def train_depth(self, seed: int, step: int) -> int:
         """p = Poisson(LogNormal(log r - sigma^2/2, sigma)) + 1 from a generator seeded by sha256(seed, step), never
         the global RNG: every rank, micro-batch and resume of a step runs the same p (Huginn seeds its sampler by
@@ -182,15 +149,6 @@ class PoissonDepth(nn.Module):
         return int(torch.poisson(rate, generator=gen).item()) + 1
 
     # --------------------------------------------------------------------------------------------- accounting
-    @staticmethod
-    def shorthand(cfg: PoissonConfig) -> str:
-        return f"{cfg.n_prelude}+{cfg.n_core}x{cfg.n_recurrence}+{cfg.n_coda}"
-
-    @staticmethod
-    def block_executions(cfg: PoissonConfig, n_steps: int | None = None) -> int:
-        n = cfg.n_recurrence if n_steps is None else n_steps
-        return cfg.n_prelude + cfg.n_core * n + cfg.n_coda
-
     @staticmethod
     def flops_per_token(cfg: PoissonConfig, n_steps: int | None = None, with_head: bool = False,
                         seq_len: int | None = None, executed: bool = False) -> int:

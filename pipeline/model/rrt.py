@@ -22,8 +22,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from pipeline.config import RRTConfig
-from pipeline.model.layers import (Block, KVCache, KVSlot, LayerNorm, TokenEmbedding, block_flops_per_token,
-                                   cache_slot, copy_full, head_flops_per_token, head_output, init_gpt2_weights)
+from pipeline.model.recurrent import RecurrentLM
+from pipeline.model.layers import (Block, KVCache, KVSlot, LayerNorm, block_flops_per_token,
+                                   cache_slot, causal_attention, copy_full, head_flops_per_token, head_output, init_gpt2_weights)
 
 
 class LoRALinear(nn.Linear):
@@ -67,13 +68,7 @@ class RRTAttention(nn.Module):
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
         if kv is not None:
             k, v = kv.extend(k, v)
-        past = k.shape[2] - T
-        if past == 0:
-            y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0,
-                                               is_causal=True)
-        else:  # new queries see every cached position and the new ones causally
-            mask = torch.ones(T, past + T, dtype=torch.bool, device=x.device).tril(past)
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        y = causal_attention(q, k, v, self.dropout if self.training else 0.0)
         y = y.transpose(1, 2).contiguous().view(B, T, C)
         return self.resid_dropout(self.c_proj(y, r))
 
@@ -120,20 +115,11 @@ class Recursion(nn.Module):
         return h
 
 
-class RRT(nn.Module):
+class RRT(RecurrentLM):
     config_class = RRTConfig
 
     def __init__(self, cfg: RRTConfig):
-        super().__init__()
-        self.cfg = cfg
-        d = cfg.d_model
-        self.embed = TokenEmbedding(cfg.vocab_size, cfg.block_size, d, cfg.dropout)
-        self.prelude = nn.ModuleList(Block(d, cfg.n_head, cfg.dropout, cfg.bias) for _ in range(cfg.n_prelude))
-        self.recur = Recursion(cfg)
-        self.coda = nn.ModuleList(Block(d, cfg.n_head, cfg.dropout, cfg.bias) for _ in range(cfg.n_coda))
-        self.ln_f = LayerNorm(d, cfg.bias)
-        self.lm_head = nn.Linear(d, cfg.vocab_size, bias=False)
-        self.lm_head.weight = self.embed.wte.weight  # tied head
+        super().__init__(cfg, Recursion(cfg))
 
     def init_weights(self, seed: int, assign=copy_full) -> None:
         """GPT-2 init, each parameter from its own generator seeded by (seed, name); residual projections scaled by
@@ -141,19 +127,6 @@ class RRT(nn.Module):
         init_gpt2_weights(self, self.block_executions(self.cfg), seed, assign)
 
     # ------------------------------------------------------------------------------------------------ forward
-    def encode(self, idx: torch.Tensor, start: int = 0, cache: KVCache | None = None) -> torch.Tensor:
-        """Embeddings and prelude: h^(0)."""
-        h = self.embed(idx, start)
-        for block in self.prelude:
-            h = block(h, cache_slot(cache))
-        return h
-
-    def readout(self, h: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
-        """Coda and final LN: the states the head reads."""
-        for block in self.coda:
-            h = block(h, cache_slot(cache))
-        return self.ln_f(h)
-
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, n_steps: int | None = None,
                 cache: KVCache | None = None):
         """(logits, None) without targets, (None, loss) with them: the plain next-token loss, in training and
@@ -180,13 +153,6 @@ class RRT(nn.Module):
             if e in wanted:
                 yield e, self.readout(h)
 
-    @torch.no_grad()
-    def exit_losses(self, idx: torch.Tensor, targets: torch.Tensor, n_steps: int | None = None) -> dict:
-        """Loss after each recursion e = 1..n through coda and head, in one pass; ``loss_r0`` at e = 0."""
-        n = self._depth(n_steps)
-        losses = [head_output(self.lm_head, s, targets)[1].item() for _, s in self.exit_states(idx, range(n + 1))]
-        return {"exit": list(range(1, n + 1)), "loss": losses[1:], "loss_r0": losses[0]}
-
     def _depth(self, n_steps: int | None) -> int:
         N = self.cfg.n_recurrence
         if n_steps is None:
@@ -196,23 +162,9 @@ class RRT(nn.Module):
                              f"model.n_recurrence={N}, so it cannot recurse further; exit at a depth in 0..{N}")
         return n_steps
 
-    @staticmethod
-    def full_depth(cfg: RRTConfig) -> int:
-        """The trained depth: all N_r recursions."""
-        return cfg.n_recurrence
-
     # --------------------------------------------------------------------------------------------- accounting
     def train_depth(self, seed: int, step: int) -> None:
         return None  # depth-fixed (the paper's Table 8): every step trains at N_r
-
-    @staticmethod
-    def shorthand(cfg: RRTConfig) -> str:
-        return f"{cfg.n_prelude}+{cfg.n_core}x{cfg.n_recurrence}+{cfg.n_coda}"
-
-    @staticmethod
-    def block_executions(cfg: RRTConfig, n_steps: int | None = None) -> int:
-        n = cfg.n_recurrence if n_steps is None else n_steps
-        return cfg.n_prelude + cfg.n_core * n + cfg.n_coda
 
     @staticmethod
     def lora_dims_sum(cfg: RRTConfig) -> int:

@@ -1,0 +1,61 @@
+"""The frame the prelude / core / coda models share (GRT, Poisson, MoR, RRT): token and position embeddings, prelude
+blocks run once, ``recur`` (one recurrence step as a module, its looped blocks in ``recur.blocks``), coda blocks, a
+final LN and the tied head; shorthand ``n_prelude + n_core x n_recurrence + n_coda``. Each model file adds its step
+and its loop; parallelism finds the same parts in every model (:mod:`pipeline.train.parallelize`)."""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from pipeline.config import RecurrentConfig
+from pipeline.model.layers import Block, KVCache, LayerNorm, TokenEmbedding, cache_slot, head_output
+
+
+class RecurrentLM(nn.Module):
+    def __init__(self, cfg: RecurrentConfig, recur: nn.Module):
+        super().__init__()
+        self.cfg = cfg
+        d = cfg.d_model
+        self.embed = TokenEmbedding(cfg.vocab_size, cfg.block_size, d, cfg.dropout)
+        self.prelude = nn.ModuleList(Block(d, cfg.n_head, cfg.dropout, cfg.bias) for _ in range(cfg.n_prelude))
+        self.recur = recur
+        self.coda = nn.ModuleList(Block(d, cfg.n_head, cfg.dropout, cfg.bias) for _ in range(cfg.n_coda))
+        self.ln_f = LayerNorm(d, cfg.bias)
+        self.lm_head = nn.Linear(d, cfg.vocab_size, bias=False)
+        self.lm_head.weight = self.embed.wte.weight  # tied head
+
+    def encode(self, idx: torch.Tensor, start: int = 0, cache: KVCache | None = None) -> torch.Tensor:
+        """Embeddings and prelude: h_pre, what the recurrence starts from or re-injects."""
+        h = self.embed(idx, start)
+        for block in self.prelude:
+            h = block(h, cache_slot(cache))
+        return h
+
+    def readout(self, h: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        """Coda and final LN: the states the head reads."""
+        for block in self.coda:
+            h = block(h, cache_slot(cache))
+        return self.ln_f(h)
+
+    @torch.no_grad()
+    def exit_losses(self, idx: torch.Tensor, targets: torch.Tensor, n_steps: int | None = None) -> dict:
+        """Loss after every step e = 1..n (coda + head on the state after e steps) in one pass, and after none
+        (``loss_r0``)."""
+        n = self.full_depth(self.cfg) if n_steps is None else n_steps
+        losses = [head_output(self.lm_head, s, targets)[1].item() for _, s in self.exit_states(idx, range(n + 1))]
+        return {"exit": list(range(1, n + 1)), "loss": losses[1:], "loss_r0": losses[0]}
+
+    @staticmethod
+    def full_depth(cfg: RecurrentConfig) -> int:
+        """The trained (and default evaluation) depth: n_recurrence."""
+        return cfg.n_recurrence
+
+    @staticmethod
+    def shorthand(cfg: RecurrentConfig) -> str:
+        return f"{cfg.n_prelude}+{cfg.n_core}x{cfg.n_recurrence}+{cfg.n_coda}"
+
+    @staticmethod
+    def block_executions(cfg: RecurrentConfig, n_steps: int | None = None) -> int:
+        """Blocks run per forward at depth ``n_steps`` (default n_recurrence), the count in the paper's Eq. 1."""
+        n = cfg.n_recurrence if n_steps is None else n_steps
+        return cfg.n_prelude + cfg.n_core * n + cfg.n_coda
