@@ -32,6 +32,10 @@ setup(
         "deepspeed>=0.15,<0.20",
         "lm-eval==0.4.13",
         "safetensors>=0.4,<1",
+        # `grt export --format hf` (pipeline/export/): the 5.x line runs with the huggingface_hub 2.x that datasets
+        # brings (5.0, 5.20 and 5.24 tested). It declares no torch requirement (it needs >= 2.6 at run time), so it
+        # never pulls another torch
+        "transformers>=5.0,<6",
         "psutil>=5.9",  # rank-0 peak memory of checkpoint saves
     ],
     # triton: CUDA torch wheels bring their own; the CPU tests run the kernels in Triton's interpreter

@@ -1,4 +1,4 @@
-"""`grt tokenize|train|eval|run|info|compare` — thin: parse, build, call."""
+"""`grt tokenize|train|eval|run|info|compare|export|generate` — thin: parse, build, call."""
 from __future__ import annotations
 
 import argparse
@@ -142,6 +142,29 @@ def cmd_compare(args) -> int:
     return 0
 
 
+def cmd_export(args) -> int:
+    from pipeline.export.hf import export_hf
+
+    out, rec = export_hf(args.checkpoint, args.out, check=not args.no_verify)
+    checked = ("" if "verified_max_abs_logit_diff" not in rec else
+               f"; loaded back with transformers: max |logit difference| {rec['verified_max_abs_logit_diff']:.2e}")
+    remote = ", trust_remote_code=True" if rec["model_type"] == "grt" else ""
+    print(f"wrote {out} ({rec['hf_class']}, step {rec['step']} of {rec['source']}, {rec['source_format']} "
+          f"checkpoint){checked}\nload it with AutoModelForCausalLM.from_pretrained({str(out)!r}{remote}) and "
+          f"AutoTokenizer.from_pretrained({str(out)!r}{remote})")
+    return 0
+
+
+def cmd_generate(args) -> int:
+    from pipeline.infer.command import UsageError, generate_command
+
+    try:
+        return generate_command(args)
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return USAGE
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="grt", description="Pretraining pipeline for recurrent-depth transformers.")
     p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)  # deepspeed launcher
@@ -189,6 +212,41 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--format", default="table", choices=["table", "markdown", "csv", "json"])
     s.add_argument("--out", default="runs/compare", help="folder for the overlay plot and the table file")
     s.set_defaults(fn=cmd_compare)
+    s = sub.add_parser("export", help="a checkpoint of any format as a Hugging Face transformers folder")
+    s.add_argument("checkpoint", help="run folder (latest checkpoint), step folder, state.pt or model.safetensors")
+    s.add_argument("--format", default="hf", choices=["hf"],
+                   help="hf: a folder for transformers' AutoModelForCausalLM and AutoTokenizer")
+    s.add_argument("--out", required=True, help="output folder (replaced only if an earlier `grt export` wrote it)")
+    s.add_argument("--no-verify", action="store_true",
+                   help="skip loading the folder back with transformers and comparing its logits with ours")
+    s.set_defaults(fn=cmd_export)
+    s = sub.add_parser("generate", help="continue a prompt (or a file of prompts) with a trained checkpoint: greedy or "
+                                        "sampled, streamed, with stop strings and early exit at decode")
+    s.add_argument("checkpoint", help="run folder (latest checkpoint), step folder or state.pt")
+    s.add_argument("prompt", nargs="?", default=None, help="the prompt text (or --batch-file)")
+    s.add_argument("--max-new-tokens", type=int, default=64, help="new tokens per prompt at most (default 64)")
+    s.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
+    s.add_argument("--top-k", type=int, default=None, help="sample among the k most likely tokens")
+    s.add_argument("--top-p", type=float, default=None, help="then among the most likely tokens holding mass p")
+    s.add_argument("--seed", type=int, default=0, help="sampling seed (default 0): the same seed, device and "
+                                                       "options give the same text")
+    s.add_argument("--n-steps", type=int, default=None, metavar="R",
+                   help="recurrence steps per token (default: the trained depth; dense model: the exit layer); "
+                        "with --exit, the most steps a token may run")
+    s.add_argument("--kv", default="full", choices=["full", "last", "first", "averaged"],
+                   help="KV-cache strategy across recurrence steps (docs/inference.md)")
+    s.add_argument("--exit", default="none", choices=["none", "kl", "latent", "entropy"],
+                   help="early exit at decode: stop a token's steps when this criterion between successive steps "
+                        "is below --exit-threshold (one prompt at a time)")
+    s.add_argument("--exit-threshold", type=float, default=None, metavar="X")
+    s.add_argument("--batch-file", default=None, metavar="FILE", help="prompts, one per line, generated as one "
+                                                                      "left-padded batch (blank lines skipped)")
+    s.add_argument("--stream", action="store_true", help="print the tokens as they come (one prompt)")
+    s.add_argument("--stop", nargs="+", action="extend", default=None, metavar="STR",
+                   help="end a continuation at any of these strings (cut from the output; \\n = newline, "
+                        "\\t = tab, \\\\ = backslash)")
+    s.add_argument("--device", default="auto", help="auto (CUDA when present), cuda or cpu")
+    s.set_defaults(fn=cmd_generate)
     # subcommands that live with their stage
     from launch.cli import add_launch_parser
     from pipeline.tracking_sync import add_track_parser

@@ -232,7 +232,7 @@ def test_cache_decoding_equals_full_threshold_forward(chunks):
         m.routing = "threshold"
         full, _ = m(idx)
         m.routing = "topk"  # a cache always routes by threshold
-        cache, parts, start = KVCache(), [], 0
+        cache, parts, start = KVCache(m.cfg.block_size), [], 0
         for n in chunks:
             parts.append(m(idx[:, start:start + n], cache=cache)[0])
             start += n
@@ -279,7 +279,7 @@ def test_threshold_routing_and_cache_refuse_training():
         m(torch.randint(0, 97, (1, 8)))
     m.routing = "topk"
     with pytest.raises(ValueError, match="model.eval"):
-        m(torch.randint(0, 97, (1, 8)), cache=KVCache())
+        m(torch.randint(0, 97, (1, 8)), cache=KVCache(m.cfg.block_size))
 
 
 def test_meta_build_and_accounting():

@@ -199,12 +199,12 @@ def test_cache_decode_equals_the_full_forward(depth):
     m = small_ouro().eval()
     idx, _ = batch()
     full, _ = m(idx, n_steps=depth)
-    cache = KVCache()
+    cache = KVCache(m.cfg.block_size)
     parts = [m(idx[:, :5], n_steps=depth, cache=cache)[0]]  # a prefill of 5, then token by token
     for i in range(5, idx.shape[1]):
         parts.append(m(idx[:, i:i + 1], n_steps=depth, cache=cache)[0])
     torch.testing.assert_close(torch.cat(parts, dim=1), full, rtol=1e-10, atol=1e-10)
-    assert len(cache.slots) == m.cfg.n_layer * (depth or m.cfg.n_recurrence)  # one slot per block per loop
+    assert cache.n_layer_caches() == m.cfg.n_layer * (depth or m.cfg.n_recurrence)  # one slot per block per loop
     assert cache.pos == idx.shape[1]
 
 

@@ -269,11 +269,11 @@ def test_cache_decoding_equals_the_full_forward(n):
     idx, _ = batch(m, T=10)
     with torch.no_grad():
         full, _ = m(idx, n_steps=n)
-        cache = KVCache()
+        cache = KVCache(m.cfg.block_size)
         pieces = [m(idx[:, :4], n_steps=n, cache=cache)[0]]  # a prefill, then one token at a time
         pieces += [m(idx[:, t:t + 1], n_steps=n, cache=cache)[0] for t in range(4, 10)]
     torch.testing.assert_close(torch.cat(pieces, 1), full, rtol=1e-10, atol=1e-10)
-    assert len(cache.slots) == m.block_executions(m.cfg, n) and cache.pos == 10
+    assert cache.n_layer_caches() == m.block_executions(m.cfg, n) and cache.pos == 10
 
 
 def test_meta_build_parameters_and_accounting():

@@ -211,10 +211,10 @@ def test_cache_decode_equals_full_forward(depth):
     m = small_rrt()
     idx, _ = batch(m.cfg, T=10)
     full, _ = m(idx, n_steps=depth)
-    cache = KVCache()
+    cache = KVCache(m.cfg.block_size)
     steps = [m(idx[:, :4], n_steps=depth, cache=cache)[0]]  # a prompt, then token by token
     steps += [m(idx[:, t:t + 1], n_steps=depth, cache=cache)[0] for t in range(4, 10)]
-    assert len(cache.slots) == m.block_executions(m.cfg, depth)  # one slot per block execution
+    assert cache.n_layer_caches() == m.block_executions(m.cfg, depth)  # one slot per block execution
     torch.testing.assert_close(torch.cat(steps, 1), full, rtol=1e-10, atol=1e-10)
 
 

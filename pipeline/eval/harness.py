@@ -3,14 +3,18 @@ Poisson, MoR, RRT, Ouro).
 
 From the shell (the package registers ``grt`` with lm-eval when lm-eval loads, see ``lm_eval_plugin``)::
 
-    lm_eval --model grt --model_args checkpoint=runs/quickstart-grt,n_steps=6 \\
+    lm_eval --model grt --model_args checkpoint=runs/quickstart-grt,n_steps=6,kv=averaged \\
         --tasks lambada_openai,piqa --include_path pipeline/eval/tasks
 
-``n_steps`` is the depth to score at: recurrence steps (GRT, Poisson: default the trained R), recursions (MoR, RRT:
-default and maximum N_r), loops (Ouro: default T), the exit layer for the dense model (default: all layers). MoR is
-scored with its causal routing (a token takes recursion r when its router's sigmoid reaches 0.5): the expert-choice
-top-k it trains with lets later tokens decide which earlier tokens get deeper, which scoring must not. ``grt eval RUN eval.tasks=[...] eval.task_depths=[2,4,8]`` scores several
-depths with one forward per batch through a shared :class:`DepthScorer`.
+``kv`` is the KV-cache strategy (``full`` default, ``last``, ``first``, ``averaged``: see
+:mod:`pipeline.model.kv_cache`): generation decodes with it, and so does log-likelihood scoring when it is not
+``full`` (the context prefilled, the continuation fed one token at a time, as generation would see it; ``full`` is
+the exact model, scored in one forward). ``n_steps`` is the depth to score at: recurrence steps (GRT, Poisson:
+default the trained R), recursions (MoR, RRT: default and maximum N_r), loops (Ouro: default T), the exit layer for
+the dense model (default: all layers). MoR is scored with its causal routing (a token takes recursion r when its
+router's sigmoid reaches 0.5): the expert-choice top-k it trains with lets later tokens decide which earlier tokens
+get deeper, which scoring must not. ``grt eval RUN eval.tasks=[...] eval.task_depths=[2,4,8]`` scores several depths
+with one forward per batch through a shared :class:`DepthScorer`.
 """
 from __future__ import annotations
 
@@ -20,8 +24,9 @@ from lm_eval.api.registry import register_model
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tqdm import tqdm
 
-from pipeline.eval.scoring import greedy_generate, loglikelihoods
+from pipeline.eval.scoring import decode_loglikelihoods, greedy_generate, loglikelihoods
 from pipeline.model import model_class
+from pipeline.model.kv_cache import KV_STRATEGIES
 from pipeline.tokenize.bpe import gpt2_encoding
 
 
@@ -49,6 +54,23 @@ class DepthScorer:
         return [self._done[k][depth] for k in keys]
 
 
+class DecodeScorer:
+    """Log-likelihoods at one depth as decoding with the KV strategy ``kv`` sees them (:func:`decode_loglikelihoods`),
+    with :class:`DepthScorer`'s interface."""
+
+    def __init__(self, model, depth: int, kv: str, batch_size: int, max_length: int, pad_id: int):
+        self.model, self.depth, self.kv = model, depth, kv
+        self.batch_size, self.max_length, self.pad_id = batch_size, max_length, pad_id
+
+    def loglikelihoods(self, requests: list[tuple[list[int], list[int]]], depth: int,
+                       show_progress: bool = True) -> list[tuple[float, bool]]:
+        if depth != self.depth:
+            raise ValueError(f"depth {depth} is not this scorer's depth {self.depth}")
+        with tqdm(total=len(requests), desc=f"scoring with kv={self.kv}", disable=not show_progress) as bar:
+            return decode_loglikelihoods(self.model, requests, depth, self.batch_size, self.max_length, self.kv,
+                                         self.pad_id, progress=bar.update)
+
+
 @register_model("grt")
 class GRTLM(TemplateLM):
     """A trained checkpoint of this pipeline as an lm-eval model (``loglikelihood``, ``loglikelihood_rolling``,
@@ -56,11 +78,17 @@ class GRTLM(TemplateLM):
 
     def __init__(self, checkpoint: str | None = None, n_steps: int | None = None, batch_size: int | str = 32,
                  max_batch_size: int | None = None, device: str | None = None, max_gen_toks: int = 256,
-                 scorer: DepthScorer | None = None, model=None, cfg=None, **unknown):
+                 kv: str = "full", scorer: DepthScorer | None = None, model=None, cfg=None, **unknown):
         super().__init__()
         if unknown:
             raise ValueError(f"unknown model_args for --model grt: {sorted(unknown)}; the arguments are checkpoint, "
-                             f"n_steps, batch_size, device, max_gen_toks")
+                             f"n_steps, kv, batch_size, device, max_gen_toks")
+        if kv not in KV_STRATEGIES:
+            raise ValueError(f"kv={kv!r}: the KV-cache strategies are {', '.join(KV_STRATEGIES)} "
+                             f"(--model_args checkpoint=...,kv=averaged)")
+        if scorer is not None and kv != "full":
+            raise ValueError(f"kv={kv} scores by decoding at one depth; a shared DepthScorer scores the exact model "
+                             f"(kv=full): pass one or the other")
         if model is None:
             if checkpoint is None:
                 raise ValueError("--model grt needs --model_args checkpoint=PATH (a run folder or a state.pt)")
@@ -79,7 +107,12 @@ class GRTLM(TemplateLM):
         self.max_length = cfg.model.block_size
         self.max_gen_toks = int(max_gen_toks)
         self.tokenizer = gpt2_encoding()  # data.tokenizer is validated to be gpt2
-        self.scorer = scorer or DepthScorer(model, [self.depth], self.batch_size, self.max_length, self.eot_token_id)
+        self.kv = kv
+        if kv == "full":
+            self.scorer = scorer or DepthScorer(model, [self.depth], self.batch_size, self.max_length,
+                                                self.eot_token_id)
+        else:
+            self.scorer = DecodeScorer(model, self.depth, kv, self.batch_size, self.max_length, self.eot_token_id)
 
     # ---------------------------------------------------------------------------------------------- tokens
     @property
@@ -118,8 +151,9 @@ class GRTLM(TemplateLM):
         return out
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
-        """Greedy decoding with a KV cache; stops at any ``until`` string (cut from the answer) or the EOT token.
-        Requests with the same prompt length and generation arguments are decoded as one batch."""
+        """Greedy decoding with a KV cache of strategy ``kv``; stops at any ``until`` string (cut from the answer) or
+        the EOT token. Requests with the same generation arguments are decoded in batches of prompts of any lengths
+        (left-padded), longest first so that a batch holds similar lengths."""
         prepared = []
         for i, req in enumerate(requests):
             context, gen_kwargs = req.args
@@ -134,9 +168,10 @@ class GRTLM(TemplateLM):
         results: list[str | None] = [None] * len(requests)
         groups: dict[tuple, list] = {}
         for item in prepared:
-            groups.setdefault((len(item[1]), item[2], item[3]), []).append(item)
+            groups.setdefault((item[2], item[3]), []).append(item)
         bar = tqdm(total=len(requests), desc="generate_until", disable=disable_tqdm)
-        for (_, until, max_new), items in sorted(groups.items(), key=lambda kv: -kv[0][0]):
+        for (until, max_new), items in groups.items():
+            items.sort(key=lambda item: (-len(item[1]), item[0]))
             for b in range(0, len(items), self.batch_size):
                 batch = items[b:b + self.batch_size]
 
@@ -144,7 +179,7 @@ class GRTLM(TemplateLM):
                     return toks[-1] == self.eot_token_id or any(s in self.tok_decode(toks) for s in until)
 
                 outs = greedy_generate(self.model, [c for _, c, _, _ in batch], max_new, self.depth,
-                                       self.max_length, stop)
+                                       self.max_length, stop, kv=self.kv)
                 for (i, _, _, _), toks in zip(batch, outs):
                     toks = [t for t in toks if t != self.eot_token_id]
                     text = self.tok_decode(toks)
@@ -157,7 +192,8 @@ class GRTLM(TemplateLM):
         return results
 
     def get_model_info(self) -> dict:
-        return {"grt_depth": self.depth, "grt_model": self.cfg.model.type, "grt_run": self.cfg.name}
+        return {"grt_depth": self.depth, "grt_kv": self.kv, "grt_model": self.cfg.model.type,
+                "grt_run": self.cfg.name}
 
 
 def _device_arg(device: str | None) -> str:

@@ -1,5 +1,6 @@
 """Token-level scoring for downstream tasks, independent of lm-eval: log-likelihoods of continuations at several
-depths from one forward per batch, and greedy generation with a KV cache.
+depths from one forward per batch (or, for a compact KV strategy, as decoding sees them), and greedy generation of
+prompts of any lengths with a KV cache.
 
 Depths are exits: recurrence steps r for GRT, layers for the dense model. A request is (context tokens,
 continuation tokens); like lm-eval's HF model, the input is the last ``max_length + 1`` tokens of
@@ -7,13 +8,15 @@ context + continuation minus the final one, so the continuation is scored with a
 """
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Callable, Sequence
 
 import torch
 
 from pipeline.eval.exits import logsumexp_into
-from pipeline.model.layers import KVCache
+from pipeline.infer.generate import generate
+from pipeline.model.kv_cache import KVCache
 
 HEAD_CHUNK = 256  # rows of vocabulary-sized logits computed at a time
 
@@ -91,32 +94,67 @@ def _target_log_probs(states: torch.Tensor, w: torch.Tensor, targets: torch.Tens
     return lp, hit
 
 
-@torch.no_grad()
 def greedy_generate(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, n_steps: int | None,
-                    block_size: int, stop: Callable[[int, list[int]], bool] | None = None) -> list[list[int]]:
-    """Greedy continuation of equal-length ``prompts`` as one batch, with a KV cache: the prompt is encoded once,
-    then each new token costs one position. ``stop(row, tokens_so_far)`` ends a row early; the batch ends when
-    every row has stopped. When the sequence reaches ``block_size`` the cache is rebuilt from the last
-    ``block_size // 2`` tokens (learned positions cannot go further)."""
-    if len({len(p) for p in prompts}) != 1:
-        raise ValueError("greedy_generate batches prompts of equal length only")
+                    block_size: int, stop: Callable[[int, list[int]], bool] | None = None,
+                    kv: str = "full") -> list[list[int]]:
+    """Greedy continuation of ``prompts`` (any lengths) as one left-padded batch with a KV cache of strategy ``kv``:
+    the decoding loop of ``grt generate`` (:func:`pipeline.infer.generate.generate`, which documents the padding,
+    the sliding re-encode at ``block_size`` and ``stop(row, tokens_so_far)``); each row's new tokens."""
+    return generate(model, prompts, max_new_tokens, block_size, n_steps=n_steps, kv=kv, stop=stop).tokens
+
+
+@torch.no_grad()
+def decode_loglikelihoods(model, requests: Sequence[Request], n_steps: int | None, batch_size: int, max_length: int,
+                          kv: str, pad_id: int = 0,
+                          progress: Callable[[int], None] | None = None) -> list[tuple[float, bool]]:
+    """[(sum of log p(continuation | context), whether every continuation token is the argmax)] at depth
+    ``n_steps``, scored as generation would see them under the KV strategy ``kv``: the context is encoded in one
+    forward (prefill), then the continuation is fed one token per forward (teacher-forced decoding), attending to the
+    compacted cache. With ``kv="full"`` this equals :func:`loglikelihoods` (one forward over everything).
+
+    The windows are those of :func:`loglikelihoods`. Requests are batched by the number of decoded tokens (so the
+    rows of a batch decode in lockstep, within ``max_length`` columns), contexts left-padded."""
+    windows = [_window(c, t, max_length) for c, t in requests]
+    # the prefill is the context (as a prompt: its last position predicts the continuation's first token), every
+    # later input token (the continuation but its last) is decoded
+    prefill = [len(inp) - len(cont) + 1 for inp, cont in windows]
+    n_dec = [len(cont) - 1 for _, cont in windows]
+    order = sorted(range(len(windows)), key=lambda i: (n_dec[i], -prefill[i], i))
+    out: list = [None] * len(windows)
+    for _, group in itertools.groupby(order, key=n_dec.__getitem__):
+        group = list(group)
+        for b in range(0, len(group), batch_size):
+            idxs = group[b:b + batch_size]
+            rows = [(windows[i][0][:prefill[i]], windows[i][0][prefill[i]:], windows[i][1]) for i in idxs]
+            for i, res in zip(idxs, _decode_batch(model, rows, n_steps, max_length, kv, pad_id)):
+                out[i] = res
+            if progress:
+                progress(len(idxs))
+    return out
+
+
+def _decode_batch(model, rows: list[tuple[list[int], list[int], list[int]]], n_steps: int | None, max_length: int,
+                  kv: str, pad_id: int) -> list[tuple[float, bool]]:
+    """Rows of (prefill tokens, decoded tokens: the same number in every row, continuation): the prefills
+    left-padded into one forward, then one decoded column per forward. A row's inputs end at the last column, and
+    so do the positions predicting its continuation."""
     device = next(model.parameters()).device
-    seqs = [list(p)[-(block_size - 1):] or [0] for p in prompts]
-    new: list[list[int]] = [[] for _ in prompts]
-    done = [False] * len(prompts)
-    cache, feed = KVCache(), torch.tensor(seqs, device=device)
-    for _ in range(max_new_tokens):
-        if cache.pos + feed.shape[1] > block_size:  # slide: re-encode the recent half
-            cache = KVCache()
-            feed = torch.tensor([s[-(block_size // 2):] for s in seqs], device=device)
+    cache, x = KVCache.left_padded([p for p, _, _ in rows], max_length, kv, pad_id, device)
+    n_cols = x.shape[1] + len(rows[0][1])
+    targets = torch.full((len(rows), n_cols), -1, dtype=torch.long)
+    for row, (_, _, cont) in enumerate(rows):
+        targets[row, n_cols - len(cont):] = torch.tensor(cont)
+    targets = targets.to(device)
+    feeds = [x] + [torch.tensor([[dec[j]] for _, dec, _ in rows], device=device) for j in range(len(rows[0][1]))]
+    ll = torch.zeros(len(rows), dtype=torch.float64, device=device)
+    misses = torch.zeros(len(rows), device=device)
+    col = 0
+    for feed in feeds:
         logits, _ = model(feed, n_steps=n_steps, cache=cache)
-        nxt = logits[:, -1].argmax(dim=-1).tolist()
-        for row, tok in enumerate(nxt):
-            seqs[row].append(tok)
-            if not done[row]:
-                new[row].append(tok)
-                done[row] = bool(stop and stop(row, new[row]))
-        if all(done):
-            break
-        feed = torch.tensor([[t] for t in nxt], device=device)
-    return new
+        tgt = targets[:, col:col + feed.shape[1]]
+        r, c = (tgt >= 0).nonzero(as_tuple=True)
+        sel, t = logits[r, c].double(), tgt[r, c]
+        ll.index_add_(0, r, sel.gather(1, t[:, None]).squeeze(1) - sel.logsumexp(dim=-1))
+        misses.index_add_(0, r, (sel.argmax(dim=-1) != t).float())
+        col += feed.shape[1]
+    return [(ll[row].item(), bool(misses[row].item() == 0)) for row in range(len(rows))]

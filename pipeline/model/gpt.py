@@ -35,12 +35,12 @@ class GPT(nn.Module):
         layers), the dense counterpart of a recurrent model's depth. With a ``cache``, ``idx`` holds only the new
         tokens and attends to the cached ones."""
         n = self._exit_layer(n_steps)
-        start = cache.begin() if cache is not None else 0
+        start = cache.begin(idx) if cache is not None else 0
         h = self.embed(idx, start)
         for block in self.blocks[:n]:
-            h = block(h, cache_slot(cache))
+            h = block(h, cache_slot(cache, block))
         if cache is not None:
-            cache.advance(idx.shape[1])
+            cache.advance()
         return self.head(h, targets)
 
     def exit_states(self, idx: torch.Tensor, exits, gates: dict | None = None):

@@ -21,8 +21,8 @@ import torch.nn.functional as F
 from ops import gate_update, gated_update, new_seed, state_noise
 from pipeline.config import GRTConfig
 from pipeline.model.recurrent import RecurrentLM
-from pipeline.model.layers import (Block, KVCache, LayerNorm, block_flops_per_token, cache_slot,
-                                   copy_full, head_flops_per_token, head_output, init_gpt2_weights)
+from pipeline.model.layers import (Block, KVCache, KVCacheAtStep, LayerNorm, at_step, block_flops_per_token,
+                                   cache_slot, copy_full, head_flops_per_token, head_output, init_gpt2_weights)
 
 
 class SplitLinear(nn.Linear):
@@ -80,7 +80,7 @@ class RecurrentStep(nn.Module):
         return (self.proj(h_pre, part="a") if self.proj is not None else None,
                 self.gate.anchor_term(h_pre) if self.gate is not None else None)
 
-    def proposal(self, h: torch.Tensor, h_pre: torch.Tensor, noise: bool, cache: KVCache | None = None,
+    def proposal(self, h: torch.Tensor, h_pre: torch.Tensor, noise: bool, cache: KVCacheAtStep | None = None,
                  anchor: tuple | None = None) -> torch.Tensor:
         """o = core(W_proj([h + eps_x, h_pre])): what the step would write with the gate fully open. ``anchor``:
         :meth:`anchor_terms` of h_pre, computed here when not given."""
@@ -94,10 +94,10 @@ class RecurrentStep(nn.Module):
         else:
             o = x
         for block in self.blocks:
-            o = block(o, cache_slot(cache))
+            o = block(o, cache_slot(cache, block))
         return o
 
-    def forward(self, h: torch.Tensor, h_pre: torch.Tensor, noise: bool, cache: KVCache | None = None,
+    def forward(self, h: torch.Tensor, h_pre: torch.Tensor, noise: bool, cache: KVCacheAtStep | None = None,
                 anchor: tuple | None = None, need_gate: bool = False):
         """(h^(r), g^(r) or None, anchor terms). g is returned only when ``need_gate`` (noise off); without a gate
         the state is replaced by the proposal. Pass the returned anchor terms to the next step."""
@@ -164,15 +164,15 @@ class GRT(RecurrentLM):
         when the module is in training. With a ``cache``, ``idx`` holds only the new tokens."""
         n = self.cfg.n_recurrence if n_steps is None else n_steps
         noise = self.training
-        start = cache.begin() if cache is not None else 0
+        start = cache.begin(idx) if cache is not None else 0
         h_pre = self.encode(idx, start, cache)
         h = self.initial_state(h_pre, noise)
         anchor = None
-        for _ in range(n):
-            h, _, anchor = self.recur(h, h_pre, noise, cache, anchor)
+        for r in range(n):
+            h, _, anchor = self.recur(h, h_pre, noise, at_step(cache, r), anchor)
         out = self.decode(h, targets, cache)
         if cache is not None:
-            cache.advance(idx.shape[1])
+            cache.advance()
         return out
 
     def exit_states(self, idx: torch.Tensor, exits, gates: dict | None = None):

@@ -11,6 +11,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ops import linear_cross_entropy
+from pipeline.model.kv_cache import KVCache, KVCacheAtStep, KVSlot, at_step, cache_slot  # noqa: F401 (re-exported)
 
 
 class LayerNorm(nn.Module):
@@ -38,14 +39,13 @@ class CausalSelfAttention(nn.Module):
     def forward(self, x: torch.Tensor, kv: "KVSlot | None" = None,
                 key_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Causal self-attention. ``key_mask`` ([B, T] bool, for the tokens of ``x``; a cache slot keeps those of
-        earlier tokens): which positions may be attended to; each query also sees itself, so no row is empty."""
+        earlier tokens and masks left pads): which positions may be attended to; each query also sees itself, so no
+        row is empty."""
         B, T, C = x.shape
         q, k, v = self.c_attn(x).split(C, dim=2)
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
         if kv is not None:
-            if key_mask is not None:
-                key_mask = kv.extend_key_mask(key_mask)
-            k, v = kv.extend(k, v)
+            k, v, key_mask = kv.update(k, v, key_mask)
         y = causal_attention(q, k, v, self.dropout if self.training else 0.0, key_mask)
         y = y.transpose(1, 2).contiguous().view(B, T, C)
         return self.resid_dropout(self.c_proj(y))
@@ -96,55 +96,6 @@ class Block(nn.Module):
         return x + self.mlp(self.ln_2(x))
 
 
-class KVSlot:
-    """Keys and values of one block execution, grown as tokens are decoded."""
-
-    def __init__(self):
-        self.k = self.v = None
-        self.key_mask = None  # [B, T_cached] bool, kept only by callers that pass a key_mask (MoR's routing)
-
-    def extend_key_mask(self, key_mask: torch.Tensor) -> torch.Tensor:
-        if self.k is not None and self.key_mask is None:
-            raise ValueError("this cache slot was filled without a key_mask; pass key_mask on every call or none")
-        self.key_mask = key_mask if self.key_mask is None else torch.cat([self.key_mask, key_mask], dim=1)
-        return self.key_mask
-
-    def extend(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        self.k = k if self.k is None else torch.cat([self.k, k], dim=2)
-        self.v = v if self.v is None else torch.cat([self.v, v], dim=2)
-        return self.k, self.v
-
-
-class KVCache:
-    """Incremental-decoding cache: one slot per block *execution* in call order (a GRT core block run at r steps
-    has r slots, since its keys and values differ at every step) and the number of positions already cached.
-    A model's forward calls ``begin`` once, ``slot`` for each block execution and ``advance`` at the end."""
-
-    def __init__(self):
-        self.slots: list[KVSlot] = []
-        self.pos = 0
-        self._cursor = 0
-
-    def begin(self) -> int:
-        self._cursor = 0
-        return self.pos
-
-    def slot(self) -> KVSlot:
-        if self._cursor == len(self.slots):
-            if self.pos > 0:
-                raise RuntimeError("the cache was filled at another depth; decode with the same n_steps throughout")
-            self.slots.append(KVSlot())
-        self._cursor += 1
-        return self.slots[self._cursor - 1]
-
-    def advance(self, n_tokens: int) -> None:
-        self.pos += n_tokens
-
-
-def cache_slot(cache: KVCache | None) -> KVSlot | None:
-    return cache.slot() if cache is not None else None
-
-
 class TokenEmbedding(nn.Module):
     """Token + learned position embeddings (GPT-2), with dropout."""
 
@@ -155,12 +106,19 @@ class TokenEmbedding(nn.Module):
         self.drop = nn.Dropout(dropout)
         self.block_size = block_size
 
-    def forward(self, idx: torch.Tensor, start: int = 0) -> torch.Tensor:
+    def forward(self, idx: torch.Tensor, start: int | torch.Tensor = 0) -> torch.Tensor:
+        """``start``: the first token's position, or one per row ([B] long, from a left-padded KVCache: row b's
+        j-th token is at start[b] + j, negative for its left pads, which are embedded at 0 and never attended to)."""
         T = idx.shape[1]
-        if start + T > self.block_size:
-            raise ValueError(f"sequence length {start + T} exceeds model.block_size={self.block_size}; "
+        arange = torch.arange(T, device=idx.device)
+        if isinstance(start, torch.Tensor):
+            pos = (start[:, None] + arange).clamp(min=0)
+            length = int(pos[:, -1].max()) + 1  # one device sync, on the padded path only
+        else:
+            pos, length = start + arange, start + T
+        if length > self.block_size:
+            raise ValueError(f"sequence length {length} exceeds model.block_size={self.block_size}; "
                              f"shorten the input or raise model.block_size")
-        pos = torch.arange(start, start + T, device=idx.device)
         return self.drop(self.wte(idx) + self.wpe(pos))
 
 

@@ -31,8 +31,8 @@ import torch.nn.functional as F
 
 from pipeline.config import MoRConfig
 from pipeline.model.recurrent import RecurrentLM
-from pipeline.model.layers import (Block, KVCache, block_flops_per_token, cache_slot,
-                                   copy_full, head_flops_per_token, head_output, init_gpt2_weights)
+from pipeline.model.layers import (Block, KVCache, KVCacheAtStep, at_step, block_flops_per_token,
+                                   cache_slot, copy_full, head_flops_per_token, head_output, init_gpt2_weights)
 
 ROUTINGS = ("topk", "threshold")
 
@@ -57,7 +57,7 @@ class Recursion(nn.Module):
         self.routers = nn.ModuleList(nn.Linear(d, 1, bias=False) for _ in range(cfg.n_recurrence))
 
     def forward(self, h: torch.Tensor, r: int, chosen: torch.Tensor | None, threshold: bool = False,
-                cache: KVCache | None = None):
+                cache: KVCacheAtStep | None = None):
         """(h after recursion r, the tokens it chose, BCE aux loss or None). ``chosen``: what recursion r-1 returned
         (None at r = 0): sorted indices [B, k] in top-k mode, a [B, T] bool mask in threshold mode."""
         if threshold:
@@ -81,7 +81,7 @@ class Recursion(nn.Module):
             aux = F.binary_cross_entropy_with_logits(logits, member)
         return h, index, aux
 
-    def _threshold(self, h: torch.Tensor, r: int, chosen: torch.Tensor | None, cache: KVCache | None):
+    def _threshold(self, h: torch.Tensor, r: int, chosen: torch.Tensor | None, cache: KVCacheAtStep | None):
         logits = self.routers[r](h).squeeze(-1)  # [B, T]: every token, each from its own state alone (causal)
         # Recursion 0 has capacity 1: top-k keeps every token there, so thresholding its router could only depart
         # from training (whose BCE targets at r = 0 are all 1).
@@ -90,7 +90,7 @@ class Recursion(nn.Module):
             take = take & chosen
         o = h
         for block in self.blocks:  # full length, unchosen keys masked: the same outputs at the chosen tokens
-            o = block(o, cache_slot(cache), key_mask=take)
+            o = block(o, cache_slot(cache, block), key_mask=take)
         weight = torch.where(take, self.cfg.router_alpha * torch.sigmoid(logits), 0.0)
         return h + weight[..., None] * o, take, None
 
@@ -131,16 +131,16 @@ class MoR(RecurrentLM):
         ``idx`` holds only the new tokens."""
         n = self._depth(n_steps)
         threshold = self._threshold(cache)
-        start = cache.begin() if cache is not None else 0
+        start = cache.begin(idx) if cache is not None else 0
         h = self.encode(idx, start, cache)
         chosen, aux = None, []
         for r in range(n):
-            h, chosen, bce = self.recur(h, r, chosen, threshold, cache)
+            h, chosen, bce = self.recur(h, r, chosen, threshold, at_step(cache, r))
             if bce is not None:
                 aux.append(bce)
         logits, loss = head_output(self.lm_head, self.readout(h, cache), targets)
         if cache is not None:
-            cache.advance(idx.shape[1])
+            cache.advance()
         if loss is not None and aux and self.cfg.aux_loss_coef > 0:
             loss = loss + self.cfg.aux_loss_coef * torch.stack(aux).sum()
         return logits, loss

@@ -30,8 +30,9 @@ import torch.nn.functional as F
 
 from ops import linear_cross_entropy
 from pipeline.config import OuroConfig
-from pipeline.model.layers import (Block, KVCache, LayerNorm, TokenEmbedding, block_flops_per_token, cache_slot,
-                                   copy_full, head_flops_per_token, head_output, init_gpt2_weights)
+from pipeline.model.layers import (Block, KVCache, KVCacheAtStep, LayerNorm, TokenEmbedding, at_step,
+                                   block_flops_per_token, cache_slot, copy_full, head_flops_per_token, head_output,
+                                   init_gpt2_weights)
 
 
 def exit_log_probs(gate_logits: torch.Tensor) -> torch.Tensor:
@@ -57,10 +58,10 @@ class OuroLoop(nn.Module):
         self.blocks = nn.ModuleList(Block(cfg.d_model, cfg.n_head, cfg.dropout, cfg.bias) for _ in range(cfg.n_layer))
         self.ln_f = LayerNorm(cfg.d_model, cfg.bias)
 
-    def forward(self, h: torch.Tensor, cache: KVCache | None = None, run_blocks: bool = True) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, cache: KVCacheAtStep | None = None, run_blocks: bool = True) -> torch.Tensor:
         if run_blocks:
             for block in self.blocks:
-                h = block(h, cache_slot(cache))
+                h = block(h, cache_slot(cache, block))
         return self.ln_f(h)
 
 
@@ -92,7 +93,7 @@ class Ouro(nn.Module):
         n loops minus beta H(p) (module docstring), in evaluation the plain loss at depth n. ``n_steps`` defaults
         to T. With a ``cache``, ``idx`` holds only the new tokens."""
         n = self._depth(n_steps)
-        start = cache.begin() if cache is not None else 0
+        start = cache.begin(idx) if cache is not None else 0
         h = self.embed(idx, start)
         per_loop_loss = self.training and targets is not None
         if per_loop_loss and n < 1:
@@ -102,13 +103,13 @@ class Ouro(nn.Module):
             h = self.recur(h, run_blocks=False)
         losses, gate_logits = [], []
         for t in range(1, n + 1):
-            h = self.recur(h, cache)
+            h = self.recur(h, at_step(cache, t - 1))
             if per_loop_loss:
                 losses.append(linear_cross_entropy(h, self.lm_head.weight, targets, reduction="none"))
                 if t < n:
                     gate_logits.append(self._gate_logit(h))
         if cache is not None:
-            cache.advance(idx.shape[1])
+            cache.advance()
         if per_loop_loss:
             return None, self.expected_loss(torch.stack(losses, dim=-1), gate_logits, targets)
         return head_output(self.lm_head, h, targets)

@@ -23,8 +23,8 @@ import torch.nn as nn
 
 from pipeline.config import PoissonConfig
 from pipeline.model.recurrent import RecurrentLM
-from pipeline.model.layers import (Block, KVCache, block_flops_per_token, cache_slot,
-                                   copy_full, head_flops_per_token, head_output, init_gpt2_weights)
+from pipeline.model.layers import (Block, KVCache, KVCacheAtStep, at_step, block_flops_per_token,
+                                   cache_slot, copy_full, head_flops_per_token, head_output, init_gpt2_weights)
 
 
 class PoissonStep(nn.Module):
@@ -43,10 +43,10 @@ class PoissonStep(nn.Module):
         self.adapter = nn.Linear(2 * d, d, bias=cfg.bias)  # A: 2d^2 (+ d)
         self.blocks = nn.ModuleList(Block(d, cfg.n_head, cfg.dropout, cfg.bias) for _ in range(cfg.n_core))
 
-    def forward(self, h: torch.Tensor, h_pre: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, h_pre: torch.Tensor, cache: KVCacheAtStep | None = None) -> torch.Tensor:
         x = self.adapter(torch.cat([h, h_pre], dim=-1))  # state first, as Huginn's core_block_forward
         for block in self.blocks:
-            x = block(x, cache_slot(cache))
+            x = block(x, cache_slot(cache, block))
         return x
 
 
@@ -100,26 +100,26 @@ class PoissonDepth(RecurrentLM):
         mode nothing is truncated: the caller's grad mode decides."""
         n_free = max(n - self.cfg.backprop_steps, 0) if self.training else 0
         with torch.no_grad():
-            for _ in range(n_free):
-                h = self.recur(h, h_pre, cache)
-        for _ in range(n - n_free):
-            h = self.recur(h, h_pre, cache)
+            for r in range(n_free):
+                h = self.recur(h, h_pre, at_step(cache, r))
+        for r in range(n_free, n):
+            h = self.recur(h, h_pre, at_step(cache, r))
         return h
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, n_steps: int | None = None,
                 cache: KVCache | None = None):
         """(logits, None) without targets, (None, loss) with them. ``n_steps``: p in training (``train_depth``),
-        default r. With a ``cache``, ``idx`` holds only the new tokens (one slot per block execution)."""
+        default r. With a ``cache``, ``idx`` holds only the new tokens (see :mod:`pipeline.model.kv_cache`)."""
         n = self.cfg.n_recurrence if n_steps is None else n_steps
         if n < (1 if self.training else 0):
             raise ValueError(f"n_steps={n_steps}: training needs at least one recurrence step (p >= 1), "
                              f"evaluation at least 0")
-        start = cache.begin() if cache is not None else 0
+        start = cache.begin(idx) if cache is not None else 0
         h_pre = self.encode(idx, start, cache)
         h = self.iterate(self.initial_state(h_pre, self.training), h_pre, n, cache)
         out = head_output(self.lm_head, self.readout(h, cache), targets)
         if cache is not None:
-            cache.advance(idx.shape[1])
+            cache.advance()
         return out
 
     def exit_states(self, idx: torch.Tensor, exits, gates: dict | None = None):

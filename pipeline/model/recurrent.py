@@ -24,17 +24,18 @@ class RecurrentLM(nn.Module):
         self.lm_head = nn.Linear(d, cfg.vocab_size, bias=False)
         self.lm_head.weight = self.embed.wte.weight  # tied head
 
-    def encode(self, idx: torch.Tensor, start: int = 0, cache: KVCache | None = None) -> torch.Tensor:
-        """Embeddings and prelude: h_pre, what the recurrence starts from or re-injects."""
+    def encode(self, idx: torch.Tensor, start: int | torch.Tensor = 0, cache: KVCache | None = None) -> torch.Tensor:
+        """Embeddings and prelude: h_pre, what the recurrence starts from or re-injects. ``start``: what
+        ``cache.begin(idx)`` returned (the first position, per row in a left-padded batch)."""
         h = self.embed(idx, start)
         for block in self.prelude:
-            h = block(h, cache_slot(cache))
+            h = block(h, cache_slot(cache, block))
         return h
 
     def readout(self, h: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
         """Coda and final LN: the states the head reads."""
         for block in self.coda:
-            h = block(h, cache_slot(cache))
+            h = block(h, cache_slot(cache, block))
         return self.ln_f(h)
 
     @torch.no_grad()

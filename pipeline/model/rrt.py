@@ -23,8 +23,9 @@ import torch.nn.functional as F
 
 from pipeline.config import RRTConfig
 from pipeline.model.recurrent import RecurrentLM
-from pipeline.model.layers import (Block, KVCache, KVSlot, LayerNorm, block_flops_per_token,
-                                   cache_slot, causal_attention, copy_full, head_flops_per_token, head_output, init_gpt2_weights)
+from pipeline.model.layers import (Block, KVCache, KVCacheAtStep, KVSlot, LayerNorm, at_step,
+                                   block_flops_per_token, cache_slot, causal_attention, copy_full,
+                                   head_flops_per_token, head_output, init_gpt2_weights)
 
 
 class LoRALinear(nn.Linear):
@@ -66,9 +67,10 @@ class RRTAttention(nn.Module):
         B, T, C = x.shape
         q, k, v = self.c_attn(x, r).split(C, dim=2)
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        key_mask = None
         if kv is not None:
-            k, v = kv.extend(k, v)
-        y = causal_attention(q, k, v, self.dropout if self.training else 0.0)
+            k, v, key_mask = kv.update(k, v)  # key_mask: a left-padded batch's pads
+        y = causal_attention(q, k, v, self.dropout if self.training else 0.0, key_mask)
         y = y.transpose(1, 2).contiguous().view(B, T, C)
         return self.resid_dropout(self.c_proj(y, r))
 
@@ -109,9 +111,9 @@ class Recursion(nn.Module):
         super().__init__()
         self.blocks = nn.ModuleList(RRTBlock(cfg) for _ in range(cfg.n_core))
 
-    def forward(self, h: torch.Tensor, r: int, cache: KVCache | None = None) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, r: int, cache: KVCacheAtStep | None = None) -> torch.Tensor:
         for block in self.blocks:
-            h = block(h, r, cache_slot(cache))
+            h = block(h, r, cache_slot(cache, block))
         return h
 
 
@@ -133,13 +135,13 @@ class RRT(RecurrentLM):
         evaluation alike (RRT's objective). ``n_steps`` = exit e in 0..N_r (default N_r). With a ``cache``, ``idx``
         holds only the new tokens."""
         n = self._depth(n_steps)
-        start = cache.begin() if cache is not None else 0
+        start = cache.begin(idx) if cache is not None else 0
         h = self.encode(idx, start, cache)
         for r in range(n):
-            h = self.recur(h, r, cache)
+            h = self.recur(h, r, at_step(cache, r))
         out = head_output(self.lm_head, self.readout(h, cache), targets)
         if cache is not None:
-            cache.advance(idx.shape[1])
+            cache.advance()
         return out
 
     def exit_states(self, idx: torch.Tensor, exits, gates: dict | None = None):

