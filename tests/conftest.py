@@ -106,3 +106,15 @@ def launched_recipe(tmp: Path, **train) -> Path:
 
     tokenize(from_dict(recipe).data, quiet=True)
     return path
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny (float64) ops: a second intra-op thread only adds synchronisation, ~10x slower on a loaded 2-core box.
+    Use with ``pytestmark = pytest.mark.usefixtures("one_thread")``."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

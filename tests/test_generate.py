@@ -38,14 +38,7 @@ SMALL = {  # d_model 16, 2 heads, block_size 64 (room for a 40-token prompt and 
 }
 _CACHE: dict = {}
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny ops: a second intra-op thread only adds synchronisation on a loaded 2-core box."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny ops run faster on one thread
 
 
 def recipe_of(model_type: str, tmp: Path = Path("/tmp"), name: str = "tiny") -> dict:

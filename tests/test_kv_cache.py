@@ -42,14 +42,7 @@ MODEL_TYPES = list(CONFIGS)
 RECURRENT = [t for t in MODEL_TYPES if t != "gpt"]
 _MODELS: dict = {}
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny float64 ops: a second intra-op thread only adds synchronisation (10x slower on a loaded 2-core box)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny ops run faster on one thread
 
 
 def model_of(model_type: str):
