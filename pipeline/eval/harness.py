@@ -24,6 +24,7 @@ from lm_eval.api.registry import register_model
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tqdm import tqdm
 
+from pipeline.infer.text import TokenText
 from pipeline.eval.scoring import decode_loglikelihoods, greedy_generate, loglikelihoods
 from pipeline.model import model_class
 from pipeline.model.kv_cache import KV_STRATEGIES
@@ -175,17 +176,13 @@ class GRTLM(TemplateLM):
             for b in range(0, len(items), self.batch_size):
                 batch = items[b:b + self.batch_size]
 
-                def stop(row, toks, until=until):
-                    return toks[-1] == self.eot_token_id or any(s in self.tok_decode(toks) for s in until)
-
-                outs = greedy_generate(self.model, [c for _, c, _, _ in batch], max_new, self.depth,
-                                       self.max_length, stop, kv=self.kv)
-                for (i, _, _, _), toks in zip(batch, outs):
-                    toks = [t for t in toks if t != self.eot_token_id]
-                    text = self.tok_decode(toks)
-                    for s in until:
-                        text = text.split(s)[0]
-                    results[i] = text
+                # each row's text decoded incrementally, ended at EOT or the first completed stop string (cut)
+                texts = [TokenText(self.tokenizer, until, self.eot_token_id) for _ in batch]
+                greedy_generate(self.model, [c for _, c, _, _ in batch], max_new, self.depth, self.max_length,
+                                lambda row, toks: texts[row].feed(toks[-1]), kv=self.kv)
+                for (i, _, _, _), row_text in zip(batch, texts):
+                    row_text.finish()
+                    results[i] = text = row_text.text
                     self.cache_hook.add_partial("generate_until", requests[i].args, text)
                 bar.update(len(batch))
         bar.close()
