@@ -83,6 +83,24 @@ def subprocess_env(**extra) -> dict:
     return {**e, **extra}
 
 
+def free_port() -> int:
+    """A TCP port nobody listens on, for a launched job's rendezvous or a server: random in 20000..32767 (below
+    Linux's ephemeral range, so no outgoing connection takes it meanwhile), checked by binding it. A fixed port
+    collides with a job of another test session on the same host, and torch's store then joins the stranger's
+    rendezvous and waits."""
+    import random
+    import socket
+
+    for port in random.sample(range(20000, 32768), 200):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+                return port
+            except OSError:
+                continue
+    raise RuntimeError("no free TCP port in 20000..32767")
+
+
 def step_losses(run_dir: Path) -> dict[int, float]:
     """Per-step training losses from metrics.jsonl; for a resumed run, the last time each step was logged."""
     out = {}

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 
-from conftest import launched_recipe, step_losses, subprocess_env
+from conftest import free_port, launched_recipe, step_losses, subprocess_env
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS, CKPT_EVERY, KILL_AFTER = 20, 8, 11  # kill once step 11 is logged: 3 steps past the checkpoint at 8
@@ -48,7 +48,7 @@ def command(backend: str, recipe: Path, name: str) -> list[str]:
     if backend == "single":
         return [sys.executable, *args]
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                str(29500 + hash(name) % 2000)]
+                str(free_port())]
     return torchrun + args
 
 
@@ -201,7 +201,7 @@ def test_deepspeed_resumes_on_another_world_size_through_the_universal_checkpoin
         for later in (16, 20):  # back to the state after step 8, as if the job had stopped there
             shutil.rmtree(tmp / "runs" / name / "checkpoints" / f"step_{later:08d}")
         p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "--master_port",
-                            str(29480 + stage), "-m", "pipeline.cli", "train", str(recipe), f"name={name}",
+                            str(free_port()), "-m", "pipeline.cli", "train", str(recipe), f"name={name}",
                             *BACKENDS[f"zero{stage}"]], cwd=REPO, env=subprocess_env(), capture_output=True, text=True,
                            timeout=600)
         if stage == 3:
@@ -240,3 +240,18 @@ def test_a_damaged_newest_checkpoint_falls_back_on_every_rank(setup, uninterrupt
     assert sorted(resumed) == list(range(1, STEPS + 1))
     for step in range(2 * CKPT_EVERY + 1, STEPS + 1):  # retrained from the checkpoint at 16
         assert resumed[step] == full[step], (step, resumed[step], full[step])
+
+
+def test_deepspeed_starts_beside_a_stale_torch_extension_lock(tmp_path):
+    """A run killed while DeepSpeed JIT-builds its shared-memory op leaves torch's build lock behind, and every later
+    init used to wait on it forever. The op serves inference only: DeepSpeed's init must neither build it nor wait."""
+    ext = tmp_path / "torch_extensions"
+    (ext / "deepspeed_shm_comm").mkdir(parents=True)
+    (ext / "deepspeed_shm_comm" / "lock").touch()  # what a kill -9 during the build leaves
+    code = ("from pipeline.config import TrainConfig\nfrom pipeline.train.backend import build_backend\n"
+            "b = build_backend(TrainConfig(backend='deepspeed', device='cpu'))\nb.close()\nprint('initialised')")
+    env = subprocess_env(TORCH_EXTENSIONS_DIR=str(ext), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
+                         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    p = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=180)
+    assert p.returncode == 0 and "initialised" in p.stdout, p.stdout[-2000:] + p.stderr[-2000:]
+    assert list((ext / "deepspeed_shm_comm").iterdir()) == [ext / "deepspeed_shm_comm" / "lock"]  # nothing built

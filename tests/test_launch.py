@@ -32,14 +32,12 @@ from launch.plan import PORT_BASE, PORT_SPAN, PlanError, job_port, make_plan
 from pipeline.cli import main
 from pipeline.config import load_recipe
 
-from conftest import launched_recipe, step_losses, subprocess_env, tiny_recipe
+from conftest import free_port, launched_recipe, step_losses, subprocess_env, tiny_recipe
 
 REPO = Path(__file__).resolve().parents[1]
 GOLDEN = Path(__file__).parent / "golden" / "launch"
 PAPER = "recipes/paper/grt-large-isoparam.yaml"
 STEPS = 12
-# master ports of this module: 31000-31999 (other test modules use other ranges)
-PORT_REF, PORT_TORCHRUN, PORT_DEEPSPEED = 31101, 31102, 31103
 SLURM_JOB_ID = 11500 + PORT_SPAN  # -> port 20000 + 11500 = 31500 by the script's own formula
 
 
@@ -375,19 +373,19 @@ def nodes(tmp_path_factory):
     runs, timings = tmp / "runs", {}
 
     t0 = time.time()  # the reference: one node, two processes
-    run_nodes([[sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(PORT_REF),
+    run_nodes([[sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
                 "-m", "pipeline.cli", "train", str(path), "name=ref", "train.backend=fsdp"]], subprocess_env())
     timings["reference"] = time.time() - t0
 
     t0 = time.time()
     two = ["--nodes", "2", "--gpus-per-node", "1", "--master-addr", "127.0.0.1"]  # each node runs the preflight
     tr_outs = run_nodes([grt_launch(path, "name=torchrun", "train.backend=fsdp", *two, "--launcher", "torchrun",
-                          "--master-port", str(PORT_TORCHRUN), "--node-rank", str(k)) for k in (0, 1)], subprocess_env())
+                          "--master-port", str(free_port()), "--node-rank", str(k)) for k in (0, 1)], subprocess_env())
     timings["torchrun"] = time.time() - t0
 
     t0 = time.time()
     ds_outs = run_nodes([grt_launch(path, "name=deepspeed", "train.backend=deepspeed", "train.zero_stage=3", *two,
-                                    "--launcher", "deepspeed", "--master-port", str(PORT_DEEPSPEED), "--node-rank",
+                                    "--launcher", "deepspeed", "--master-port", str(free_port()), "--node-rank",
                                     str(k)) for k in (0, 1)], subprocess_env())
     timings["deepspeed"] = time.time() - t0
 

@@ -17,6 +17,8 @@ from pipeline.config import GPTConfig, GRTConfig
 from pipeline.model import build_model
 from pipeline.train.materialize import _check_materialized
 
+from conftest import free_port
+
 REPO = Path(__file__).resolve().parents[1]
 WORKER = REPO / "tests" / "meta_init_worker.py"
 # vocab 97 does not divide by 2: FSDP pads the embedding's second shard
@@ -101,8 +103,8 @@ def test_sharded_builds_equal_the_plain_build(tmp_path):
 
     (tmp_path / "ws1").mkdir()
     (tmp_path / "ws2").mkdir()
-    run_worker(tmp_path / "ws1", 1, ["fsdp"], 34011)
-    run_worker(tmp_path / "ws2", 2, ["fsdp", "zero3"], 34012)
+    run_worker(tmp_path / "ws1", 1, ["fsdp"], free_port())
+    run_worker(tmp_path / "ws2", 2, ["fsdp", "zero3"], free_port())
     checked = []
     for ws, backend in (("ws1", "fsdp"), ("ws2", "fsdp"), ("ws2", "zero3")):
         for rank in range(int(ws[-1])):

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import launched_recipe, step_losses, subprocess_env
+from conftest import free_port, launched_recipe, step_losses, subprocess_env
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS, CKPT_EVERY, KILL_AFTER = 12, 4, 6  # killed once step 6 is logged: 2 steps past the checkpoint at 4
@@ -60,7 +60,7 @@ def setup(tmp_path_factory):
 @pytest.fixture(scope="module")
 def uninterrupted(setup):
     tmp, recipe = setup
-    launch(recipe, "full-fsdp", 2, "train.backend=fsdp", port=35101)
+    launch(recipe, "full-fsdp", 2, "train.backend=fsdp", port=free_port())
     return step_losses(tmp / "runs" / "full-fsdp")
 
 
@@ -73,21 +73,21 @@ def test_fsdp_writes_shards_and_resumes_exactly_after_kills(setup, uninterrupted
 
     # SIGKILL between checkpoints, with async saves: the checkpoint at 4 was published in the background
     killed = tmp / "runs" / "killed-async"
-    p = launch(recipe, "killed-async", 2, "train.backend=fsdp", "train.async_checkpoint=true", port=35102,
+    p = launch(recipe, "killed-async", 2, "train.backend=fsdp", "train.async_checkpoint=true", port=free_port(),
                fault={"GRT_FAULT_KILL_AT_STEP": str(KILL_AFTER)}, check=False)
     assert p.returncode != 0 and max(step_losses(killed)) == KILL_AFTER
     assert sorted(q.name for q in (killed / "checkpoints").iterdir()) == ["step_00000004"]
-    launch(recipe, "killed-async", 2, "train.backend=fsdp", "train.async_checkpoint=true", port=35103)
+    launch(recipe, "killed-async", 2, "train.backend=fsdp", "train.async_checkpoint=true", port=free_port())
     resumed = step_losses(killed)
     assert [resumed[s] == uninterrupted[s] for s in range(CKPT_EVERY + 1, STEPS + 1)] == [True] * (STEPS - CKPT_EVERY)
 
     # SIGKILL on every rank while the checkpoint of step 8 is being written (shards on disk, not published)
     in_save = tmp / "runs" / "killed-in-save"
-    p = launch(recipe, "killed-in-save", 2, "train.backend=fsdp", port=35104, fault={"GRT_FAULT_KILL_IN_SAVE": "8"},
+    p = launch(recipe, "killed-in-save", 2, "train.backend=fsdp", port=free_port(), fault={"GRT_FAULT_KILL_IN_SAVE": "8"},
                check=False)
     assert p.returncode != 0
     assert sorted(q.name for q in (in_save / "checkpoints").iterdir()) == [".tmp_step_00000008", "step_00000004"]
-    launch(recipe, "killed-in-save", 2, "train.backend=fsdp", port=35105)
+    launch(recipe, "killed-in-save", 2, "train.backend=fsdp", port=free_port())
     assert not list((in_save / "checkpoints").glob(".tmp_*"))  # the interrupted save was swept at the next publish
     resumed = step_losses(in_save)
     assert [resumed[s] == uninterrupted[s] for s in range(CKPT_EVERY + 1, STEPS + 1)] == [True] * (STEPS - CKPT_EVERY)
@@ -96,7 +96,7 @@ def test_fsdp_writes_shards_and_resumes_exactly_after_kills(setup, uninterrupted
 def test_sharded_checkpoints_reshard_across_world_sizes_and_backends(setup, uninterrupted):
     tmp, recipe = setup
     runs = tmp / "runs"
-    launch(recipe, "killed-2", 2, "train.backend=fsdp", port=35111, fault={"GRT_FAULT_KILL_AT_STEP": str(KILL_AFTER)},
+    launch(recipe, "killed-2", 2, "train.backend=fsdp", port=free_port(), fault={"GRT_FAULT_KILL_AT_STEP": str(KILL_AFTER)},
            check=False)
     launch(recipe, "killed-1", 0, "train.backend=single", "train.checkpoint_format=sharded", port=0,
            fault={"GRT_FAULT_KILL_AT_STEP": str(KILL_AFTER)}, check=False)
@@ -109,7 +109,7 @@ def test_sharded_checkpoints_reshard_across_world_sizes_and_backends(setup, unin
     for i, (name, (source, nproc, overrides)) in enumerate(plans.items()):
         shutil.copytree(runs / source, runs / name)
         assert [q.name for q in (runs / name / "checkpoints").iterdir()] == ["step_00000004"]
-        launch(recipe, name, nproc, *overrides, port=35112 + i)
+        launch(recipe, name, nproc, *overrides, port=free_port())
         resumed = step_losses(runs / name)
         assert sorted(resumed) == list(range(1, STEPS + 1))
         for step in range(CKPT_EVERY + 1, STEPS + 1):
@@ -162,7 +162,7 @@ def test_rank0_memory_during_a_save_full_vs_sharded(setup):
         for fmt in ("full", "sharded"):
             name = f"rss-{fmt}-{ws}"
             launch(recipe, name, ws, "train.backend=fsdp", f"train.checkpoint_format={fmt}", *wide,
-                   port=35120 + ws * 2 + (fmt == "full"))
+                   port=free_port() + ws * 2 + (fmt == "full"))
             row, = checkpoint_rows(tmp / "runs" / name)
             peaks[(fmt, ws)] = row["rss_peak_over_before_mb"]
             params = params or torch.load(tmp / "runs" / name / "checkpoints" / "step_00000001" / "state.pt",

@@ -30,21 +30,9 @@ from pipeline.tokenize import tokenize
 from pipeline.train.callbacks import Callback
 from pipeline.train.trainer import Trainer
 
-from conftest import make_corpus, tiny_recipe
+from conftest import free_port, make_corpus, tiny_recipe
 
 REPO = Path(__file__).resolve().parents[1]
-PORTS = range(33000, 34000)  # this test file's share of ports
-
-
-def free_port() -> int:
-    for port in random.sample(PORTS, len(PORTS)):
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-                return port
-            except OSError:
-                continue
-    raise RuntimeError("no free port in 33000-33999")
 
 
 class MlflowServer:

@@ -276,6 +276,18 @@ class FSDP(TorchDistributed):
         return contextlib.nullcontext()
 
 
+def skip_shared_memory_op(deepspeed) -> None:
+    """Keep DeepSpeed's communication init from JIT-building its shared-memory all-reduce op (`deepspeed_shm_comm`).
+
+    That op serves only ``inference_all_reduce`` (tensor-parallel inference on CPU), never training, yet the init
+    builds it with the host C++ compiler on first use (1-2 min) under a torch-extensions lock file; a run killed
+    while holding that lock (pre-emption, kill -9, a timeout) leaves it behind and every later DeepSpeed run waits
+    on it forever, silently. DeepSpeed reads the op's availability from ``deepspeed.ops.__compatible_ops__``, a
+    dict it caches so that edits persist; marking the op unavailable takes its own fall-back path (plain
+    ``torch.distributed.all_reduce``)."""
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+
+
 class DeepSpeed(TorchDistributed):
     """DeepSpeed ZeRO 0..3 with ``torch.optim.AdamW`` as the client optimizer. The engine does accumulation,
     clipping and the step; checkpoints use DeepSpeed's own (sharded) format inside the step folder."""
@@ -290,6 +302,7 @@ class DeepSpeed(TorchDistributed):
 
         if self.device.type == "cpu":
             os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        skip_shared_memory_op(deepspeed)
         deepspeed.init_distributed("nccl" if self.device.type == "cuda" else "gloo", timeout=timeout)
 
     def ds_config(self) -> dict:
