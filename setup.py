@@ -14,7 +14,7 @@ setup(
     version="0.1.0",
     description="tokenize -> train -> eval pipeline for Gated Recurrent Transformers and dense baselines",
     packages=find_packages(include=["pipeline", "pipeline.*", "ops", "ops.*", "launch", "launch.*"]),
-    package_data={"pipeline": ["py.typed", "eval/tasks/*.yaml"], "launch": ["templates/*"]},
+    package_data={"pipeline": ["py.typed", "eval/tasks/*.yaml", "paper/*.yaml"], "launch": ["templates/*"]},
     data_files=[(SITE_PACKAGES, [PTH])],
     python_requires=">=3.10",
     install_requires=[

@@ -1,4 +1,4 @@
-"""`grt tokenize|train|eval|run|info|compare|export|generate` — thin: parse, build, call."""
+"""`grt tokenize|train|eval|run|sweep|info|compare|paper-table|export|generate` — thin: parse, build, call."""
 from __future__ import annotations
 
 import argparse
@@ -121,6 +121,26 @@ def cmd_run(args) -> int:
     return 0
 
 
+def cmd_sweep(args) -> int:
+    """`grt run` on every recipe of a folder (pipeline/sweep.py), then a summary table."""
+    from pipeline.sweep import sweep_command
+
+    return sweep_command(args.folder, args.overrides, args.data, args.dry_run)
+
+
+def cmd_paper_table(args) -> int:
+    """The paper's numbers (pipeline/paper/results.yaml) beside the matching MLflow runs, with the deltas."""
+    from pathlib import Path
+
+    from pipeline.paper.table import TABLES, format_tables, load_results, paper_table
+
+    which = list(TABLES) if args.table == "all" else [args.table]
+    result = paper_table(load_results(), which, args.tracking_uri, args.experiment or [TrackingConfig.experiment],
+                         Path(args.data).stem if args.data else None)
+    print(format_tables(result, args.format))
+    return 0
+
+
 def cmd_compare(args) -> int:
     from pipeline.eval.compare import compare
     from pipeline.tracking import resolve_uri
@@ -212,6 +232,25 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--format", default="table", choices=["table", "markdown", "csv", "json"])
     s.add_argument("--out", default="runs/compare", help="folder for the overlay plot and the table file")
     s.set_defaults(fn=cmd_compare)
+    s = sub.add_parser("sweep", help="grt run on every recipe of a folder (files starting with _ skipped), in "
+                                     "name order, each tagged sweep=FOLDER_NAME in MLflow; a failure does not stop "
+                                     "the others; a summary table at the end")
+    s.add_argument("folder", help="a folder of recipes, e.g. recipes/sweeps/toy-tau or recipes/paper/b6-gate-bias")
+    s.add_argument("overrides", nargs="*", help="overrides for every recipe of the folder, e.g. train.max_steps=100")
+    s.add_argument("--data", metavar="DATA_RECIPE", default=None,
+                   help="a data recipe whose data: section replaces every recipe's (as grt run --data)")
+    s.add_argument("--dry-run", action="store_true", help="list the recipes, their models and tags; run nothing")
+    s.set_defaults(fn=cmd_sweep)
+    s = sub.add_parser("paper-table", help="the paper's Table 1 / Table 2 / Figure 5 (and Appendix B sweep) numbers "
+                                           "beside the matching MLflow runs, with the deltas")
+    s.add_argument("--tracking-uri", default=TrackingConfig.uri)
+    s.add_argument("--experiment", action="append", default=None,
+                   help=f"MLflow experiment to search (repeatable; default {TrackingConfig.experiment})")
+    s.add_argument("--table", default="all", choices=["table1", "table2", "figure5", "sweeps", "all"])
+    s.add_argument("--data", metavar="DATA_RECIPE", default=None,
+                   help="match the runs trained with grt run --data DATA_RECIPE (named RECIPE-STEM)")
+    s.add_argument("--format", default="table", choices=["table", "markdown", "json"])
+    s.set_defaults(fn=cmd_paper_table)
     s = sub.add_parser("export", help="a checkpoint of any format as a Hugging Face transformers folder")
     s.add_argument("checkpoint", help="run folder (latest checkpoint), step folder, state.pt or model.safetensors")
     s.add_argument("--format", default="hf", choices=["hf"],

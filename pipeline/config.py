@@ -314,9 +314,14 @@ class TrainConfig:
     async_checkpoint: bool = False  # sharded torch checkpoints: write in the background (dcp.async_save)
     resume: str = "auto"  # auto: continue from the run folder's latest checkpoint | never
     threads: Optional[int] = None  # torch intra-op threads on CPU (default: torch's choice)
+    # step: one depth r per optimizer step (every micro-batch of the step); micro_step: one per micro-step, drawn from
+    # (seed, step, micro-step index) as the paper's Algorithm 1 draws r inside every forward. Every rank at the same
+    # micro-step runs the same r (FSDP / ZeRO-3 stay in step), so which samples meet which r depends on world size.
+    depth_granularity: str = "step"
 
     def validate(self) -> list[str]:
         p = _choice("train.backend", self.backend, ["single", "ddp", "fsdp", "deepspeed"])
+        p += _choice("train.depth_granularity", self.depth_granularity, ["step", "micro_step"])
         p += _choice("train.activation_checkpointing", self.activation_checkpointing, ["none", "core_step", "blocks"])
         p += _choice("train.fused_ops", self.fused_ops, ["auto", "reference", "triton"])
         if not 0 <= self.zero_stage <= 3:
@@ -359,6 +364,10 @@ class TrainConfig:
 
 
 # Downstream tasks with local task configs (pipeline/eval/tasks/), named as in lm-eval.
+# `eval.analyses` names (paper Appendix E; implemented in pipeline/eval/analyses.py, which checks it has them all)
+ANALYSIS_NAMES = ("steps", "bands", "deciles", "anchor_ablation", "gate_heatmaps", "similarity", "cka",
+                  "gate_difficulty", "effective_rank", "gate_attribution", "projection", "attention",
+                  "relative_improvement", "trace")
 LOCAL_TASKS = ("lambada_openai", "hellaswag", "arc_easy", "arc_challenge", "piqa", "boolq", "winogrande")
 
 
@@ -376,9 +385,25 @@ class EvalConfig:
     task_data_dir: Optional[str] = None  # laid out like shared/data/eval (default: GRT_EVAL_DATA or a shared/ above)
     task_limit: Optional[int] = None  # items per task (default: all)
     task_batch_size: int = 64
+    # Algorithm 1 samples eps_x / eps_g at inference too; Appendix E evaluates with noise off (the default). true: the
+    # exit curves and analyses run with the training noise on, drawn from a generator seeded by the run's seed.
+    noise: bool = False
+    # Appendix E analyses of `grt eval` (names in pipeline.eval.analyses.ANALYSES); [default] = the cheap set, [all]
+    analyses: list[str] = field(default_factory=lambda: ["default"])
+    analysis_tokens: int = 4096  # tokens whose states feed CKA / effective rank (SVDs of [tokens, d] matrices)
+    trace_prompts: list[str] = field(default_factory=lambda: [  # Figure 4: next-token probability at every step
+        "The capital of France is", "2 + 2 =", "Once upon a time, there was a"])
 
     def validate(self) -> list[str]:
         p = []
+        if self.analysis_tokens < 2:
+            p.append(f"eval.analysis_tokens must be >= 2, got {self.analysis_tokens}")
+        for a in self.analyses:
+            if a not in ANALYSIS_NAMES + ("default", "all"):
+                near = difflib.get_close_matches(a, ANALYSIS_NAMES + ("default", "all"), n=1)
+                p.append(f"eval.analyses: unknown analysis {a!r}" + (f" — did you mean {near[0]!r}?" if near else
+                                                                     f"; choose from {list(ANALYSIS_NAMES)}, "
+                                                                     f"'default' or 'all'"))
         if self.max_steps is not None and self.max_steps < 1:
             p.append(f"eval.max_steps must be >= 1, got {self.max_steps}")
         if self.val_tokens < 1 or self.batch_size < 1 or self.task_batch_size < 1:
@@ -533,6 +558,8 @@ def _coerce(tp: Any, value: Any, where: str, problems: list[str]) -> Any:
             return {}
         return value
     if origin is list:
+        if isinstance(value, str) and args and args[0] is str:  # `eval.analyses=all`: a list of one
+            value = [value]
         if not isinstance(value, list):
             problems.append(f"{where} must be a list, got {value!r}")
             return []

@@ -25,6 +25,9 @@ def load_yaml_with_bases(path: str | Path, _seen: tuple = (), example: str = "re
     path = Path(path).resolve()
     if path in _seen:
         raise RecipeError([f"base: cycle {' -> '.join(str(s) for s in (*_seen, path))}"], str(path))
+    if path.is_dir():
+        raise RecipeError([f"{path} is a folder, not a recipe: run every recipe in it with `grt sweep {path}`, or "
+                           f"name one of its .yaml files"], str(path))
     if not path.is_file():
         raise RecipeError([f"recipe file not found: {path}"], str(path))
     try:

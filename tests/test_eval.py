@@ -206,6 +206,9 @@ def test_step_statistics_follow_eq3_and_eq4_by_hand():
             assert stats["delta_fp"][i] == pytest.approx((new - h).norm().item() / h.norm().item(), rel=1e-4)
             assert stats["proposal_norm"][i] == pytest.approx(o.norm(dim=-1).mean().item(), rel=1e-4)
             assert stats["update_norm"][i] == pytest.approx((new - h).norm(dim=-1).mean().item(), rel=1e-4)
+            assert stats["update_over_proposal"][i] == pytest.approx(  # the paper's printed rho: |Δh| / |o|
+                (new - h).norm(dim=-1).mean().item() / o.norm(dim=-1).mean().item(), rel=1e-4)
+            assert stats["update_over_proposal"][i] != pytest.approx(stats["rho"][i], rel=1e-3)  # two quantities
             assert stats["gate_mean"][i] == pytest.approx(g.mean().item(), rel=1e-5)
             assert stats["gate_std"][i] == pytest.approx(g.std(unbiased=False).item(), rel=1e-3)
             assert stats["gate_frac_above_095"][i] == pytest.approx((g > 0.95).double().mean().item())
@@ -241,6 +244,21 @@ def test_bands_and_deciles_by_hand():
     d = decile_losses(losses, [0, 1], by_exit=0)
     assert d["tokens"] == [2] * 10
     assert d["loss"][0] == [1.0, 1.0] and d["loss"][-1] == [8.0, 4.0] and d["improvement"][-1] == 4.0
+
+
+def test_decile_improvement_is_measured_to_the_trained_depth():
+    """Appendix E.5: "improvement over six recurrence steps" — to R, not to the last exit (2R)."""
+    # exits 0..4 with R = 2: token k has loss (k+1) at r=0, halves by r=2, then drops by 1 more by r=4
+    base = torch.arange(1.0, 21.0)
+    losses = torch.stack([base, 0.75 * base, 0.5 * base, 0.5 * base - 0.5, 0.5 * base - 1.0], dim=1)
+    d = decile_losses(losses, [0, 1, 2, 3, 4], by_exit=0, to_exit=2)
+    assert d["to_exit"] == 2 and d["last_exit"] == 4
+    means = [(2 * k + 1 + 2 * k + 2) / 2 for k in range(10)]  # decile k holds tokens 2k+1 and 2k+2
+    assert d["improvement"] == pytest.approx([0.5 * m for m in means])
+    assert d["improvement_to_last"] == pytest.approx([0.5 * m + 1.0 for m in means])
+    assert d["improvement_r2"] == pytest.approx(1.0)  # exactly linear in the initial loss
+    default = decile_losses(losses, [0, 1, 2, 3, 4], by_exit=0)
+    assert default["to_exit"] == 4 and default["improvement"] == default["improvement_to_last"]  # the last exit
 
 
 # ------------------------------------------------------------------------------------------ downstream tasks

@@ -378,14 +378,15 @@ def nodes(tmp_path_factory):
     timings["reference"] = time.time() - t0
 
     t0 = time.time()
+    port_torchrun, port_deepspeed = free_port(), free_port()  # one rendezvous port shared by both simulated nodes
     two = ["--nodes", "2", "--gpus-per-node", "1", "--master-addr", "127.0.0.1"]  # each node runs the preflight
     tr_outs = run_nodes([grt_launch(path, "name=torchrun", "train.backend=fsdp", *two, "--launcher", "torchrun",
-                          "--master-port", str(free_port()), "--node-rank", str(k)) for k in (0, 1)], subprocess_env())
+                          "--master-port", str(port_torchrun), "--node-rank", str(k)) for k in (0, 1)], subprocess_env())
     timings["torchrun"] = time.time() - t0
 
     t0 = time.time()
     ds_outs = run_nodes([grt_launch(path, "name=deepspeed", "train.backend=deepspeed", "train.zero_stage=3", *two,
-                                    "--launcher", "deepspeed", "--master-port", str(free_port()), "--node-rank",
+                                    "--launcher", "deepspeed", "--master-port", str(port_deepspeed), "--node-rank",
                                     str(k)) for k in (0, 1)], subprocess_env())
     timings["deepspeed"] = time.time() - t0
 

@@ -20,15 +20,19 @@ ANCHORS = {"prelude": "trained: fixed h_pre", "zeros": "zeros", "embedding": "in
 GATE_FORCED = {"gate0": (0.0, "gate = 0: always write"), "gate1": (1.0, "gate = 1: always copy")}
 
 
-def trace_steps(model, idx: torch.Tensor, n_steps: int, anchor: str = "prelude", gate_value: float | None = None):
-    """Yield (r, h^(r-1), o^(r), g^(r), h^(r)) for r = 1..n_steps with noise off. ``anchor`` replaces h_pre where
+def trace_steps(model, idx: torch.Tensor, n_steps: int, anchor: str = "prelude", gate_value: float | None = None,
+                noise: bool = False, h_pre: torch.Tensor | None = None):
+    """Yield (r, h^(r-1), o^(r), g^(r), h^(r)) for r = 1..n_steps, in one pass. ``anchor`` replaces h_pre where
     each step reads it (projection and gate): 'prelude' (the model as trained), 'zeros', 'embedding' (token +
-    position embedding) or 'previous' (h^(r-1), a drifting anchor); ``gate_value`` forces g everywhere."""
+    position embedding) or 'previous' (h^(r-1), a drifting anchor); ``gate_value`` forces g everywhere. ``noise``:
+    the training noise (eps_x as the model draws it, eps_g ~ N(0, sigma_g^2) on the gate logits / tau) from the
+    global torch RNG, which the caller seeds; off by default (Appendix E). ``h_pre``: the prelude output when the
+    caller has it already."""
     if anchor not in ANCHORS:
         raise ValueError(f"anchor {anchor!r}: choose one of {list(ANCHORS)}")
     step, tau = model.recur, model.cfg.tau
-    h_pre = model.encode(idx)
-    h = model.initial_state(h_pre, noise=False)
+    h_pre = model.encode(idx) if h_pre is None else h_pre
+    h = model.initial_state(h_pre, noise=noise)
     fixed = {"prelude": h_pre, "zeros": torch.zeros_like(h_pre)}.get(anchor)
     if anchor == "embedding":
         fixed = model.embed(idx)
@@ -36,54 +40,77 @@ def trace_steps(model, idx: torch.Tensor, n_steps: int, anchor: str = "prelude",
     for r in range(1, n_steps + 1):
         if anchor == "previous":
             terms = step.anchor_terms(h)
-        o = step.proposal(h, None, False, None, terms)
+        o = step.proposal(h, None, noise, None, terms)
         if gate_value is not None:
             g = torch.full_like(h, gate_value)
             h_new = g * h + (1 - g) * o
         elif step.gate is None:
             g, h_new = None, o
+        elif noise and model.cfg.sigma_g > 0:
+            z = step.gate(h, terms[1])
+            g = torch.sigmoid(z / tau + model.cfg.sigma_g * torch.randn_like(z))
+            h_new = g * h + (1 - g) * o
         else:
             h_new, g = gated_update(step.gate(h, terms[1]), h, o, tau)
         yield r, h, o, g, h_new
         h = h_new
 
 
+class StepStatistics:
+    """Gate and update statistics per step (Appendix E.2, E.3, E.6), accumulated step by step over batches."""
+
+    KEYS = ("g_sum", "g_sq", "g_hi", "g_lo", "g_n", "upd_sq", "prop_diff_sq", "h_sq", "o_norm", "u_norm", "tok")
+
+    def __init__(self, n_steps: int):
+        self.n_steps = n_steps
+        self.acc = {k: [0.0] * n_steps for k in self.KEYS}
+
+    def update(self, r: int, h: torch.Tensor, o: torch.Tensor, g: torch.Tensor | None, h_new: torch.Tensor) -> None:
+        acc, i = self.acc, r - 1
+        upd = (h_new - h).float()
+        acc["upd_sq"][i] += upd.pow(2).sum().item()
+        acc["prop_diff_sq"][i] += (o - h).float().pow(2).sum().item()
+        acc["h_sq"][i] += h.float().pow(2).sum().item()
+        acc["o_norm"][i] += o.float().norm(dim=-1).sum().item()
+        acc["u_norm"][i] += upd.norm(dim=-1).sum().item()
+        acc["tok"][i] += h.shape[0] * h.shape[1]
+        if g is not None:
+            gf = g.float()
+            acc["g_sum"][i] += gf.sum().item()
+            acc["g_sq"][i] += gf.pow(2).sum().item()
+            acc["g_hi"][i] += (gf > 0.95).sum().item()
+            acc["g_lo"][i] += (gf < 0.05).sum().item()
+            acc["g_n"][i] += gf.numel()
+
+    def result(self) -> dict:
+        acc = self.acc
+        out = {"step": list(range(1, self.n_steps + 1)),
+               # Eq. 3 over all positions: ||(1-g)(o-h)||_F / ||o-h||_F
+               "rho": [(u / p) ** 0.5 if p else None for u, p in zip(acc["upd_sq"], acc["prop_diff_sq"])],
+               # what the paper's printed rho (0.182 -> 0.066) matches: its Figure 11(a) norms, applied update
+               # 17.6 -> 6.5 over proposal ~93-99, i.e. mean per-token ||h^(r) - h^(r-1)|| over mean per-token ||o^(r)||
+               "update_over_proposal": [u / o if o else None for u, o in zip(acc["u_norm"], acc["o_norm"])],
+               # Eq. 4: ||h^(r) - h^(r-1)||_F / ||h^(r-1)||_F
+               "delta_fp": [(u / h) ** 0.5 if h else None for u, h in zip(acc["upd_sq"], acc["h_sq"])],
+               "proposal_norm": [s / t for s, t in zip(acc["o_norm"], acc["tok"])],
+               "update_norm": [s / t for s, t in zip(acc["u_norm"], acc["tok"])]}
+        if any(acc["g_n"]):
+            mean = [s / n for s, n in zip(acc["g_sum"], acc["g_n"])]
+            out.update(gate_mean=mean,
+                       gate_std=[max(q / n - m * m, 0.0) ** 0.5 for q, n, m in zip(acc["g_sq"], acc["g_n"], mean)],
+                       gate_frac_above_095=[s / n for s, n in zip(acc["g_hi"], acc["g_n"])],
+                       gate_frac_below_005=[s / n for s, n in zip(acc["g_lo"], acc["g_n"])])
+        return out
+
+
 @torch.no_grad()
 def step_statistics(model, batches, n_steps: int, device) -> dict:
-    """Gate and update statistics per step over ``batches`` (Appendix E.2, E.3, E.6)."""
-    acc: dict[str, list[float]] = {k: [0.0] * n_steps for k in (
-        "g_sum", "g_sq", "g_hi", "g_lo", "g_n", "upd_sq", "prop_diff_sq", "h_sq", "o_norm", "u_norm", "tok")}
+    """:class:`StepStatistics` over ``batches`` in one traced pass per batch, noise off."""
+    stats = StepStatistics(n_steps)
     for x, _ in batches:
         for r, h, o, g, h_new in trace_steps(model, x.to(device), n_steps):
-            i = r - 1
-            upd = (h_new - h).float()
-            acc["upd_sq"][i] += upd.pow(2).sum().item()
-            acc["prop_diff_sq"][i] += (o - h).float().pow(2).sum().item()
-            acc["h_sq"][i] += h.float().pow(2).sum().item()
-            acc["o_norm"][i] += o.float().norm(dim=-1).sum().item()
-            acc["u_norm"][i] += upd.norm(dim=-1).sum().item()
-            acc["tok"][i] += h.shape[0] * h.shape[1]
-            if g is not None:
-                gf = g.float()
-                acc["g_sum"][i] += gf.sum().item()
-                acc["g_sq"][i] += gf.pow(2).sum().item()
-                acc["g_hi"][i] += (gf > 0.95).sum().item()
-                acc["g_lo"][i] += (gf < 0.05).sum().item()
-                acc["g_n"][i] += gf.numel()
-    out = {"step": list(range(1, n_steps + 1)),
-           # Eq. 3 over all positions: ||(1-g)(o-h)||_F / ||o-h||_F
-           "rho": [(u / p) ** 0.5 if p else None for u, p in zip(acc["upd_sq"], acc["prop_diff_sq"])],
-           # Eq. 4: ||h^(r) - h^(r-1)||_F / ||h^(r-1)||_F
-           "delta_fp": [(u / h) ** 0.5 if h else None for u, h in zip(acc["upd_sq"], acc["h_sq"])],
-           "proposal_norm": [s / t for s, t in zip(acc["o_norm"], acc["tok"])],
-           "update_norm": [s / t for s, t in zip(acc["u_norm"], acc["tok"])]}
-    if any(acc["g_n"]):
-        mean = [s / n for s, n in zip(acc["g_sum"], acc["g_n"])]
-        out.update(gate_mean=mean,
-                   gate_std=[max(q / n - m * m, 0.0) ** 0.5 for q, n, m in zip(acc["g_sq"], acc["g_n"], mean)],
-                   gate_frac_above_095=[s / n for s, n in zip(acc["g_hi"], acc["g_n"])],
-                   gate_frac_below_005=[s / n for s, n in zip(acc["g_lo"], acc["g_n"])])
-    return out
+            stats.update(r, h, o, g, h_new)
+    return stats.result()
 
 
 def band_losses(token_losses: torch.Tensor, token_ids: torch.Tensor, exits: list[int]) -> dict:
@@ -97,17 +124,33 @@ def band_losses(token_losses: torch.Tensor, token_ids: torch.Tensor, exits: list
     return {"exit": exits, "bands": out}
 
 
-def decile_losses(token_losses: torch.Tensor, exits: list[int], by_exit: int) -> dict:
+def decile_losses(token_losses: torch.Tensor, exits: list[int], by_exit: int, to_exit: int | None = None) -> dict:
     """Tokens split into ten deciles of their loss at ``by_exit`` (GRT: r = 0, after the prelude): mean loss per
-    decile and exit, and each decile's improvement from ``by_exit`` to the last exit (Appendix E.5)."""
+    decile and exit, and each decile's improvement from ``by_exit`` to ``to_exit`` (Appendix E.5: "over six recurrence
+    steps", i.e. to the trained R; default the last exit) and to the last exit; ``improvement_r2``: R^2 of the
+    least-squares line of the improvement (to ``to_exit``) on the decile's mean loss at ``by_exit`` (Figure 13(a):
+    0.998)."""
     col = exits.index(by_exit)
+    to_exit = exits[-1] if to_exit is None else to_exit
+    to_col = exits.index(to_exit)
     difficulty = token_losses[:, col]
     order = difficulty.argsort()
     parts = torch.tensor_split(order, 10)
     edges = [difficulty[p].max().item() for p in parts[:-1]]
     loss = [token_losses[p].double().mean(dim=0).tolist() for p in parts]
-    return {"exit": exits, "by_exit": by_exit, "upper_edges": edges, "loss": loss,
-            "improvement": [row[col] - row[-1] for row in loss], "tokens": [len(p) for p in parts]}
+    improvement = [row[col] - row[to_col] for row in loss]
+    return {"exit": exits, "by_exit": by_exit, "to_exit": to_exit, "upper_edges": edges, "loss": loss,
+            "improvement": improvement, "improvement_to_last": [row[col] - row[-1] for row in loss],
+            "last_exit": exits[-1], "improvement_r2": r_squared([row[col] for row in loss], improvement),
+            "tokens": [len(p) for p in parts]}
+
+
+def r_squared(x: list[float], y: list[float]) -> float | None:
+    """R^2 of the least-squares line y ~ a + b x (the squared Pearson correlation); None when x or y is constant."""
+    xs, ys = torch.tensor(x, dtype=torch.float64), torch.tensor(y, dtype=torch.float64)
+    xc, yc = xs - xs.mean(), ys - ys.mean()
+    den = (xc.pow(2).sum() * yc.pow(2).sum()).item()
+    return (xc @ yc).item() ** 2 / den if den > 0 else None
 
 
 @torch.no_grad()

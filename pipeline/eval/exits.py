@@ -65,11 +65,13 @@ def logsumexp_into(logits: torch.Tensor, scratch: torch.Tensor, softmax: bool = 
 
 
 @torch.no_grad()
-def exit_curve(model, batches, exits: list[int], ref: int, device: torch.device, keep_tokens: bool = False) -> dict:
+def exit_curve(model, batches, exits: list[int], ref: int, device: torch.device, keep_tokens: bool = False,
+               noise: bool = False) -> dict:
     """Token-weighted means over ``batches`` of each exit's loss, KL to ``ref`` and top-1 agreement with ``ref``;
     the gate's mean per step where there is one. ``exits`` may include 0 (GRT: the state before any step).
     With ``keep_tokens`` the per-token losses [tokens, exits] and target ids are returned too (for the
-    frequency-band and difficulty-decile breakdowns)."""
+    frequency-band and difficulty-decile breakdowns). ``noise``: the model's training noise on (``eval.noise``; the
+    caller seeds the global RNG), for the model types whose ``exit_states`` take it."""
     model.eval()
     exits = sorted(set(exits) | {ref})
     weight = model.lm_head.weight
@@ -79,7 +81,7 @@ def exit_curve(model, batches, exits: list[int], ref: int, device: torch.device,
     for x, y in batches:
         x, y = x.to(device), y.to(device)
         gates: dict[int, float] = {}
-        states = dict(model.exit_states(x, exits, gates))
+        states = dict(model.exit_states(x, exits, gates, noise=True) if noise else model.exit_states(x, exits, gates))
         losses, kl, agree = exit_stats(states, weight, y, ref)
         n = y.numel()
         loss_sum += losses.double().sum(dim=0)

@@ -9,6 +9,16 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 
+def save_figure(fig, path: str | Path, dpi: int = 110) -> Path:
+    """tight_layout, write the PNG (creating its folder) and close the figure: every plot of ``grt eval``."""
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)
+    return path
+
+
 def plot_exit_curves(results: list[dict], path: str | Path, title: str = "Early exit") -> Path:
     """Left: loss vs exit (recurrence step / recursion / loop for a recurrent model, layer for dense). Right: loss
     vs inference GFLOPs/token.
@@ -34,12 +44,7 @@ def plot_exit_curves(results: list[dict], path: str | Path, title: str = "Early 
     for ax in (ax1, ax2):
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def plot_diagnostics(res: dict, path: str | Path) -> Path:
@@ -72,7 +77,10 @@ def plot_diagnostics(res: dict, path: str | Path) -> Path:
         panels.append(gate)
     if steps.get("rho"):
         def openness(ax):
-            ax.plot(steps["step"], steps["rho"], "o-", label="effective openness ρ (Eq. 3)")
+            ax.plot(steps["step"], steps["rho"], "o-", linewidth=2, label="openness ρ, Eq. 3: |Δh|_F / |o - h|_F")
+            if steps.get("update_over_proposal"):
+                ax.plot(steps["step"], steps["update_over_proposal"], "^--",
+                        label="mean |Δh| / mean |o| (the paper's printed ρ)")
             ax.plot(steps["step"], steps["delta_fp"], "s-", label="fixed-point ratio δ_fp (Eq. 4)")
             ax.set_title("update size per step")
             ax.legend(fontsize=8)
@@ -95,8 +103,16 @@ def plot_diagnostics(res: dict, path: str | Path) -> Path:
     if diag.get("deciles"):
         def deciles(ax):
             d = diag["deciles"]
-            ax.bar(range(1, 11), d["improvement"])
-            ax.set_title(f"loss improvement exit {d['by_exit']} -> {d['exit'][-1]}, by difficulty decile")
+            to = d.get("to_exit", d["exit"][-1])
+            ax.bar(range(1, 11), d["improvement"], label=f"exit {d['by_exit']} -> {to}")
+            if d.get("improvement_to_last") and d.get("last_exit", to) != to:
+                ax.bar(range(1, 11), d["improvement_to_last"], fill=False, edgecolor="tab:red",
+                       label=f"exit {d['by_exit']} -> {d['last_exit']}")
+                ax.legend(fontsize=8)
+            r2 = d.get("improvement_r2")
+            ax.set_title(f"loss improvement by difficulty decile" + (f" (R² {r2:.3f} vs initial loss)" if r2 is not None
+                                                                    else ""))
+            ax.set_ylabel("nats/token")
             ax.set_xlabel(f"decile of loss at exit {d['by_exit']} (1 = easiest)")
         panels.append(deciles)
     cols = 3
@@ -110,11 +126,7 @@ def plot_diagnostics(res: dict, path: str | Path) -> Path:
     for ax in list(axes.flat)[len(panels):]:
         ax.axis("off")
     fig.suptitle(f"{res['name']} ({res['shorthand']}): diagnostics on {res['val_tokens']:,} validation tokens")
-    fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path, dpi=100)
 
 
 def plot_gate_heatmaps(maps: list[dict], path: str | Path) -> Path:
@@ -129,8 +141,4 @@ def plot_gate_heatmaps(maps: list[dict], path: str | Path) -> Path:
         ax.set_yticks(range(len(m["gate"])), [f"r={i + 1}" for i in range(len(m["gate"]))], fontsize=7)
         fig.colorbar(im, ax=ax, fraction=0.03, label="mean g")
     fig.suptitle("gate per token and step (bright: copy, dark: write)")
-    fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path, dpi=100)

@@ -18,7 +18,7 @@ from pipeline.train.backend import pick_device
 from pipeline.train.checkpoint import full_model_state, load_checkpoint, resolve_checkpoint
 from pipeline.train.data import TokenShards, check_shards, validation_batches, window_problems
 from pipeline.train.trainer import check_dataset_matches_model
-from pipeline.eval.dynamics import anchor_ablation, band_losses, decile_losses, gate_heatmaps, step_statistics
+from pipeline.eval.analyses import analysis_metrics, analysis_plots, print_analyses, run_analyses
 from pipeline.eval.exits import exit_curve, exit_flops
 from pipeline.eval.methods import method_metrics, method_report, print_method_report, routing
 from pipeline.eval.plots import plot_diagnostics, plot_exit_curves, plot_gate_heatmaps
@@ -112,14 +112,18 @@ def evaluate(path: str | Path, overrides: list[str] | None = None, quiet: bool =
     if problems:
         raise ValueError(" | ".join(problems))
     out_dir = run_dir_of(ckpt) / "eval"
+    if ev.noise and cfg.model.type not in NOISY_TYPES:
+        raise RecipeError([f"eval.noise=true: model type {cfg.model.type!r} draws no noise (the types with training "
+                           f"noise are {list(NOISY_TYPES)}); set eval.noise=false"], f"grt eval {path}")
     baseline = check_inputs(cfg, out_dir)  # everything that could fail after the curves, before computing them
 
     def batches():
         return validation_batches(val, cfg.model.block_size, ev.batch_size, max_tokens=ev.val_tokens,
                                   vocab_size=cfg.model.vocab_size)
 
+    torch.manual_seed(cfg.seed)  # eval.noise draws from the global RNG: the same noise on every rerun
     with routing(model, "topk"):  # MoR: its exit curve as trained (method_report adds the causal routing)
-        curve = exit_curve(model, batches(), exits, ref, device, keep_tokens=ev.diagnostics)
+        curve = exit_curve(model, batches(), exits, ref, device, keep_tokens=ev.diagnostics, noise=ev.noise)
     shown = [i for i, e in enumerate(curve["exit"]) if e >= 1]  # r = 0 is reported apart, as loss_r0
     pick = lambda key: [curve[key][i] for i in shown]  # noqa: E731
     result = {
@@ -129,7 +133,7 @@ def evaluate(path: str | Path, overrides: list[str] | None = None, quiet: bool =
         * cfg.model.block_size,
         "trained_depth": trained_depth, "ref_exit": ref, "val_tokens": curve["val_tokens"],
         "exit": pick("exit"), "loss": pick("loss"), "kl": pick("kl"), "top1": pick("top1"),
-        "dataset_dir": cfg.data.dataset_dir, "seconds": None,
+        "dataset_dir": cfg.data.dataset_dir, "noise": ev.noise, "seconds": None,
     }
     result["val_loss"] = result["loss"][result["exit"].index(ref)]
     if recurrent:
@@ -142,7 +146,10 @@ def evaluate(path: str | Path, overrides: list[str] | None = None, quiet: bool =
     if report:
         result["method"] = report
     if ev.diagnostics:
-        result["diagnostics"] = diagnostics(model, cfg, curve, batches, n_max, ref, device)
+        torch.manual_seed(cfg.seed)
+        base_model, note = baseline_model(cfg, baseline, device)
+        result["diagnostics"] = run_analyses(model, cfg, curve, batches, n_max, ref, device, base_model, note)
+        del base_model
     if ev.tasks:
         from pipeline.eval.downstream import run_tasks
 
@@ -157,6 +164,7 @@ def evaluate(path: str | Path, overrides: list[str] | None = None, quiet: bool =
         plots.append(plot_diagnostics(result, out_dir / "diagnostics.png"))
         if result["diagnostics"].get("gate_heatmaps"):
             plots.append(plot_gate_heatmaps(result["diagnostics"]["gate_heatmaps"], out_dir / "gate_heatmap.png"))
+        plots += analysis_plots(result, out_dir)
     result["seconds"] = round(time.time() - t0, 2)
     result["plots"] = [str(p) for p in plots]
     (out_dir / "exits.json").write_text(json.dumps(result, indent=2))
@@ -212,22 +220,27 @@ def check_inputs(cfg: RunConfig, out_dir: Path) -> list[dict]:
     return []
 
 
-def diagnostics(model, cfg, curve: dict, batches, n_max: int, ref: int, device) -> dict:
-    """Frequency bands and difficulty deciles from the per-token exit losses (every model type); for GRT also the
-    per-step gate/update statistics, the anchor ablations at the trained depth and the per-token gate maps."""
-    exits = curve["exit"]
-    out = {"bands": band_losses(curve["token_losses"], curve["token_ids"], exits),
-           "deciles": decile_losses(curve["token_losses"], exits, by_exit=exits[0])}
-    if cfg.model.type == "grt":  # gate and anchor statistics: GRT's own mechanism
-        out["steps"] = step_statistics(model, batches(), n_max, device)
-        out["anchor_ablation"] = anchor_ablation(model, batches(), ref, device)
-        if cfg.eval.heatmap_prompts and model.recur.gate is not None:
-            from pipeline.tokenize.bpe import gpt2_encoding
+def baseline_model(cfg: RunConfig, baseline: list[dict], device) -> tuple[object | None, str | None]:
+    """The dense model of ``eval.baseline`` for cross-model CKA (E.4), when ``eval.analyses`` has ``cka``: (model,
+    None), or (None, why not)."""
+    from pipeline.eval.analyses import resolve
 
-            enc = gpt2_encoding()
-            out["gate_heatmaps"] = gate_heatmaps(model, list(cfg.eval.heatmap_prompts), ref, device,
-                                                 enc.encode_ordinary, lambda t: enc.decode([t]))
-    return out
+    if "cka" not in resolve(list(cfg.eval.analyses), cfg.model.type, True)[0]:
+        return None, None
+    if not cfg.eval.baseline:
+        return None, "no eval.baseline: set eval.baseline=runs/DENSE to compare the steps with a dense model's layers"
+    dense = [r for r in baseline if r.get("type") == "gpt" and r.get("checkpoint")]
+    if not dense:
+        return None, f"eval.baseline={cfg.eval.baseline} is not an evaluated dense (gpt) run with a checkpoint"
+    ckpt = Path(dense[0]["checkpoint"])
+    if not ckpt.exists():
+        return None, f"the baseline's checkpoint {ckpt} is gone (moved or pruned); evaluate the baseline again"
+    model, bcfg, _, _ = load_trained(ckpt, device=str(device.type))
+    if bcfg.model.vocab_size != cfg.model.vocab_size or bcfg.model.block_size < cfg.model.block_size:
+        return None, (f"the baseline {bcfg.name} reads other inputs (vocab {bcfg.model.vocab_size}, block "
+                      f"{bcfg.model.block_size}) than this model (vocab {cfg.model.vocab_size}, block "
+                      f"{cfg.model.block_size})")
+    return model, None
 
 
 def log_to_mlflow(cfg, state: dict, result: dict, out_dir: Path, plots: list[Path]) -> str:
@@ -247,7 +260,8 @@ def log_to_mlflow(cfg, state: dict, result: dict, out_dir: Path, plots: list[Pat
     for i, r in enumerate(steps.get("step", [])):
         tracker.log_metrics({f"eval.{k}": steps[k][i] for k in ("gate_mean", "gate_std", "gate_frac_above_095",
                                                                  "gate_frac_below_005", "rho", "delta_fp",
-                                                                 "proposal_norm", "update_norm")
+                                                                 "update_over_proposal", "proposal_norm",
+                                                                 "update_norm")
                              if steps.get(k) and steps[k][i] is not None}, step=r)
     if diag.get("bands"):
         for j, e in enumerate(diag["bands"]["exit"]):
@@ -256,6 +270,8 @@ def log_to_mlflow(cfg, state: dict, result: dict, out_dir: Path, plots: list[Pat
     if diag.get("anchor_ablation"):
         tracker.log_metrics({f"eval.anchor_loss.{k}": v for k, v in diag["anchor_ablation"]["loss"].items()},
                             step=diag["anchor_ablation"]["depth"])
+    for metrics, step in analysis_metrics(diag):
+        tracker.log_metrics(metrics, step=step)
     for depth, tasks in result.get("downstream", {}).get("depths", {}).items():
         tracker.log_metrics({f"downstream.{task}.{metric}": value for task, row in tasks.items()
                              for metric, value in row.items()}, step=int(depth))
@@ -272,8 +288,10 @@ def print_report(result: dict) -> None:
     recurrent = result["type"] != "gpt"
     kind = {"gpt": "layer", "mor": "recursion", "rrt": "recursion", "ouro": "loop"}.get(result["type"],
                                                                                       "recurrence step r")
+    noise = (", noise ON (eval.noise)" if result.get("noise") else ", noise off") if result["type"] in NOISY_TYPES \
+        else ""
     print(f"eval: {result['name']} ({result['shorthand']}) step {result['step']}, {result['val_tokens']:,} val "
-          f"tokens{', noise off' if result['type'] in NOISY_TYPES else ''}, {result['seconds']:.1f} s")
+          f"tokens{noise}, {result['seconds']:.1f} s")
     if recurrent:
         print(f"  before any {kind.removesuffix(' r')} (exit 0): loss {result['loss_r0']:.4f}")
     gates = result.get("gate_mean") or [None] * len(result["exit"])
@@ -286,11 +304,11 @@ def print_report(result: dict) -> None:
         print_method_report(result["method"])
     steps = result.get("diagnostics", {}).get("steps")
     if steps:
-        print("  step   rho    delta_fp  |o|      |update|" + ("  gate std  g>0.95  g<0.05" if steps.get("gate_std")
-                                                             else ""))
+        print("  step   rho    |Δh|/|o|  delta_fp  |o|      |update|" + ("  gate std  g>0.95  g<0.05"
+                                                                       if steps.get("gate_std") else ""))
         for i, r in enumerate(steps["step"]):
-            line = (f"  {r:>4}  {steps['rho'][i]:.4f}  {steps['delta_fp'][i]:.4f}    {steps['proposal_norm'][i]:7.3f}"
-                    f"  {steps['update_norm'][i]:7.3f}")
+            line = (f"  {r:>4}  {steps['rho'][i]:.4f}  {steps['update_over_proposal'][i]:.4f}    "
+                    f"{steps['delta_fp'][i]:.4f}    {steps['proposal_norm'][i]:7.3f}  {steps['update_norm'][i]:7.3f}")
             if steps.get("gate_std"):
                 line += (f"   {steps['gate_std'][i]:.4f}   {steps['gate_frac_above_095'][i]:.3f}"
                          f"   {steps['gate_frac_below_005'][i]:.4f}")
@@ -299,6 +317,7 @@ def print_report(result: dict) -> None:
     if ab:
         print(f"  anchor ablation at r={ab['depth']}: " + ", ".join(f"{ab['what'][k]} {v:.4f}"
                                                                 for k, v in ab["loss"].items()))
+    print_analyses(result.get("diagnostics", {}))
     ds = result.get("downstream")
     if ds:
         from pipeline.eval.downstream import headline
@@ -312,3 +331,4 @@ def print_report(result: dict) -> None:
             print(f"    depth {depth}: " + "; ".join(cells))
     saved = ["exits.json"] + (["downstream.json"] if ds else []) + [Path(p).name for p in result["plots"]]
     print(f"  saved {Path(result['plots'][0]).parent}/: " + ", ".join(saved))
+

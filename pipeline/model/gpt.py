@@ -43,9 +43,12 @@ class GPT(nn.Module):
             cache.advance()
         return self.head(h, targets)
 
-    def exit_states(self, idx: torch.Tensor, exits, gates: dict | None = None):
+    def exit_states(self, idx: torch.Tensor, exits, gates: dict | None = None, *, noise: bool = False):
         """One pass, yielding (layer l, final-LN'd states after layer l) for each l in ``exits`` (no gates: a
         ``gates`` dict stays empty)."""
+        if noise:  # nothing to turn on: this model trains without noise too (dropout is not inference noise)
+            raise ValueError("model.type=gpt has no inference noise: eval.noise=true is for the types in "
+                             "pipeline.model.registry.NOISY_TYPES (grt, poisson); set eval.noise=false")
         wanted = sorted(set(exits))
         h = self.embed(idx)
         for l, block in enumerate(self.blocks[: self._exit_layer(wanted[-1])], 1):
@@ -74,7 +77,7 @@ class GPT(nn.Module):
         return n_steps
 
     # ---- accounting (pure functions of the config; `grt info` and the trainer's tokens/s and FLOPs use them)
-    def train_depth(self, seed: int, step: int) -> None:
+    def train_depth(self, seed: int, step: int, micro_step: int | None = None) -> None:
         return None
 
     @staticmethod

@@ -6,8 +6,9 @@ Step r (Eq. 2 and §3.3):
     o  = core(h~)                                             (n_core pre-LN blocks, same weights every step)
     g  = sigmoid(f_g([LN(h), LN(h_pre)]) / tau + eps_g)       (f_g: Linear 2d->d, SiLU, Linear d->d, last bias +4)
     h  = g * h + (1 - g) * o
-eps_x, eps_g ~ N(0, sigma^2) only in training. The ablation switches (``reinject``, ``gate``, ``state_noise``) turn
-off one component each, giving the rows of the paper's Figure 5 / Table 7.
+eps_x, eps_g ~ N(0, sigma^2) in training, and in evaluation only when asked (``exit_states(noise=True)``: Algorithm
+1's inference noise; Appendix E evaluates without). The ablation switches (``reinject``, ``gate``, ``state_noise``)
+turn off one component each, giving the rows of the paper's Figure 5 / Table 7.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ops import gate_update, gated_update, new_seed, state_noise
+from ops.gate import gate_reference, gate_update_reference
 from pipeline.config import GRTConfig
 from pipeline.model.recurrent import RecurrentLM
 from pipeline.model.layers import (Block, KVCache, KVCacheAtStep, LayerNorm, at_step, block_flops_per_token,
@@ -99,8 +101,12 @@ class RecurrentStep(nn.Module):
 
     def forward(self, h: torch.Tensor, h_pre: torch.Tensor, noise: bool, cache: KVCacheAtStep | None = None,
                 anchor: tuple | None = None, need_gate: bool = False):
-        """(h^(r), g^(r) or None, anchor terms). g is returned only when ``need_gate`` (noise off); without a gate
-        the state is replaced by the proposal. Pass the returned anchor terms to the next step."""
+        """(h^(r), g^(r) or None, anchor terms). g is returned only when ``need_gate``; without a gate the state is
+        replaced by the proposal. Pass the returned anchor terms to the next step.
+
+        ``need_gate`` with ``noise``: g = sigmoid(z / tau + eps_g) and the update in plain PyTorch (the reference op),
+        one seed from the global RNG as training draws, so on CPU (or with the reference ops) the state equals
+        training's; the Triton kernel draws other (equally distributed) noise for the same seed."""
         if anchor is None:
             anchor = self.anchor_terms(h_pre)
         o = self.proposal(h, h_pre, noise, cache, anchor)
@@ -108,8 +114,10 @@ class RecurrentStep(nn.Module):
             return o, None, anchor
         z = self.gate(h, anchor[1])
         if need_gate:
-            if noise:
-                raise ValueError("need_gate is for evaluation (noise off)")
+            if noise:  # evaluation with the training noise: the same g for the update and the report
+                seed, inv_tau = new_seed(), 1.0 / self.cfg.tau
+                g = gate_reference(z, inv_tau, self.cfg.sigma_g, seed)
+                return gate_update_reference(z, h, o, inv_tau, self.cfg.sigma_g, seed), g, anchor
             h_new, g = gated_update(z, h, o, self.cfg.tau)
             return h_new, g, anchor
         sigma = self.cfg.sigma_g if noise else 0.0
@@ -175,19 +183,27 @@ class GRT(RecurrentLM):
             cache.advance()
         return out
 
-    def exit_states(self, idx: torch.Tensor, exits, gates: dict | None = None):
-        """One pass (noise off), yielding (r, coda + final LN of h^(r)) for each r in ``exits`` (0 = the initial
-        state). A ``gates`` dict receives the gate's mean at each yielded r >= 1 (when the model has a gate)."""
+    def exit_states(self, idx: torch.Tensor, exits, gates: dict | None = None, *, noise: bool = False):
+        """One pass, yielding (r, coda + final LN of h^(r)) for each r in ``exits`` (0 = the initial state). A
+        ``gates`` dict receives the gate's mean at each yielded r >= 1 (when the model has a gate).
+
+        ``noise``: Algorithm 1's inference noise, which Appendix E turns off (the default): the training noise path
+        (eps_x on the projection input every step or on h^(0), per ``state_noise``; eps_g in the gate; a random
+        h^(0) with init_state=noise), each draw seeded from the global torch RNG as in training, so the caller's
+        torch.manual_seed fixes it. ``gates`` then holds the mean of the noisy g. Dropout stays as the module's
+        mode has it (off in eval)."""
         wanted = sorted(set(exits))
-        need_gate = gates is not None and self.recur.gate is not None
+        # with noise the gate is always computed in plain PyTorch (RecurrentStep.forward), so the states do not
+        # depend on whether ``gates`` was asked for (the Triton kernel would draw other noise for the same seed)
+        need_gate = self.recur.gate is not None and (gates is not None or noise)
         h_pre = self.encode(idx)
-        h = self.initial_state(h_pre, noise=False)
+        h = self.initial_state(h_pre, noise=noise)
         g = anchor = None
         for r in range(wanted[-1] + 1):
             if r > 0:
-                h, g, anchor = self.recur(h, h_pre, False, None, anchor, need_gate=need_gate)
+                h, g, anchor = self.recur(h, h_pre, noise, None, anchor, need_gate=need_gate)
             if r in wanted:
-                if g is not None:
+                if g is not None and gates is not None:
                     gates[r] = g.float().mean().item()
                 yield r, self.readout(h)
 
@@ -202,13 +218,17 @@ class GRT(RecurrentLM):
         return vars(ExitCurve(list(range(1, n + 1)), losses[1:], list(gates.values()) or None, losses[0]))
 
     # --------------------------------------------------------------------------------------------- accounting
-    def train_depth(self, seed: int, step: int) -> int:
-        """r ~ U{1..R} per training step (paper §3.4) from a generator seeded by (seed, step), never the global RNG:
-        every rank, every micro-batch of the step and every resume use the same r (sharded backends need all ranks
-        to run the same number of steps; a world-size change keeps the same depths)."""
+    def train_depth(self, seed: int, step: int, micro_step: int | None = None) -> int:
+        """r ~ U{1..R} (paper §3.4) from a generator seeded by (seed, step), or by (seed, step, micro_step) with
+        train.depth_granularity=micro_step (Algorithm 1 draws r in every forward), never the global RNG: every
+        rank and every resume draw the same r (sharded backends need all ranks to run the same number of steps).
+        Per step, every micro-batch of the step shares r and a world-size change keeps the same depths; per
+        micro-step, which samples meet which r depends on the world size (see the trainer)."""
         if self.cfg.depth_sampling == "fixed":
             return self.cfg.n_recurrence
-        key = int.from_bytes(hashlib.sha256(f"depth:{seed}:{step}".encode()).digest()[:8], "little")
+        # the per-step key is the one checkpoints and tests were made with: never change it
+        text = f"depth:{seed}:{step}" + ("" if micro_step is None else f":{micro_step}")
+        key = int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little")
         gen = torch.Generator().manual_seed(key)
         return int(torch.randint(1, self.cfg.n_recurrence + 1, (1,), generator=gen).item())
 

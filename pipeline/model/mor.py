@@ -145,9 +145,12 @@ class MoR(RecurrentLM):
             loss = loss + self.cfg.aux_loss_coef * torch.stack(aux).sum()
         return logits, loss
 
-    def exit_states(self, idx: torch.Tensor, exits, gates: dict | None = None):
+    def exit_states(self, idx: torch.Tensor, exits, gates: dict | None = None, *, noise: bool = False):
         """One pass, yielding (e, coda + final LN after e recursions) for each e in ``exits`` (0 = prelude only),
         routed per ``self.routing``. ``gates`` stays untouched (MoR has none)."""
+        if noise:  # nothing to turn on: this model trains without noise too (dropout is not inference noise)
+            raise ValueError("model.type=mor has no inference noise: eval.noise=true is for the types in "
+                             "pipeline.model.registry.NOISY_TYPES (grt, poisson); set eval.noise=false")
         wanted = sorted(set(exits))
         for e in (wanted[0], wanted[-1]):
             self._depth(e)  # every exit within 0..N_r
@@ -172,7 +175,7 @@ class MoR(RecurrentLM):
                 "fraction": fractions}
 
     # --------------------------------------------------------------------------------------------- accounting
-    def train_depth(self, seed: int, step: int) -> None:
+    def train_depth(self, seed: int, step: int, micro_step: int | None = None) -> None:
         return None  # every recursion in every step: the routers, not a sampled depth, set each token's depth
 
     @staticmethod

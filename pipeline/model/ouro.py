@@ -144,10 +144,13 @@ class Ouro(nn.Module):
         z = self.exit_gate(h).squeeze(-1)
         return z.to(_acc(z.dtype))
 
-    def exit_states(self, idx: torch.Tensor, exits, gates: dict | None = None):
+    def exit_states(self, idx: torch.Tensor, exits, gates: dict | None = None, *, noise: bool = False):
         """One pass yielding (e, h_e) for each e in ``exits``: the loop outputs (already normed, what the head
         reads); e = 0 is LN(embeddings), the loop's norm applied before any loop. Any e, past T too. ``gates`` is
         left untouched (the exit gate is reported by :meth:`exit_distribution`)."""
+        if noise:  # nothing to turn on: this model trains without noise too (dropout is not inference noise)
+            raise ValueError("model.type=ouro has no inference noise: eval.noise=true is for the types in "
+                             "pipeline.model.registry.NOISY_TYPES (grt, poisson); set eval.noise=false")
         wanted = sorted(set(exits))
         h = self.embed(idx)
         if 0 in wanted:
@@ -177,7 +180,7 @@ class Ouro(nn.Module):
         return cfg.n_recurrence
 
     # --------------------------------------------------------------------------------------------- accounting
-    def train_depth(self, seed: int, step: int) -> None:
+    def train_depth(self, seed: int, step: int, micro_step: int | None = None) -> None:
         return None  # every training step runs all T loops (the loss weighs each loop by p_t)
 
     @staticmethod

@@ -5,10 +5,12 @@ linear adapter at every step, then coda, final LN and a tied head.
 
     h_pre  = prelude(embed(x))
     h^(0)  ~ TruncNormal(0, s^2) on [-3s, 3s] in training, 0 in evaluation      s = init_std or sqrt(2 / (5d))
+             (the training draw in evaluation too with ``exit_states(noise=True)``)
     h^(i)  = core(A [h^(i-1), h_pre])        A: Linear(2d -> d) over the concatenation, state first;  i = 1..p
     logits = W_e^T LN_f(coda(h^(p)))
 
-Training depth, one draw per optimizer step (the same on every rank and after a resume, see ``train_depth``):
+Training depth, one draw per optimizer step, or per micro-step with train.depth_granularity=micro_step (the same
+on every rank and after a resume, see ``train_depth``):
     lambda ~ LogNormal(log r - sigma^2 / 2, sigma),   p = Poisson(lambda) + 1,   so E[lambda] = r and E[p] = r + 1
 with truncated backprop: steps 1..max(p - k, 0) run under no_grad, the last min(k, p) with gradient. Evaluation
 runs r steps (``n_recurrence``). The loss is plain next-token cross-entropy: the method has no auxiliary objective.
@@ -84,9 +86,10 @@ class PoissonDepth(RecurrentLM):
         Huginn draws trunc_normal(std s, a=-3s, b=3s) and multiplies it by its embedding scale sqrt(d), because its
         embeddings are scaled by sqrt(d) too; our GPT-2 embeddings are unscaled (std 0.02), so s = sqrt(2/(5d))
         alone (0.023 at d=768) keeps the state at the embedding scale, as theirs. Noise at init only, never per step
-        (paper Table 8). Huginn also draws the noise at inference; evaluation here starts from zeros instead, so
-        exit curves and lm-eval scores are deterministic. The draw is in at least fp32 (bf16 is too coarse for the
-        inverse-CDF sampler), from the global RNG the trainer seeds per micro-batch."""
+        (paper Table 8). Huginn also draws the noise at inference; evaluation here starts from zeros instead (unless
+        ``exit_states(noise=True)``), so exit curves and lm-eval scores are deterministic. The draw is in at least
+        fp32 (bf16 is too coarse for the inverse-CDF sampler), from the global RNG the trainer seeds per
+        micro-batch."""
         std = self.cfg.init_std if self.cfg.init_std is not None else math.sqrt(2 / (5 * self.cfg.d_model))
         if not noise or std == 0:
             return torch.zeros_like(h_pre)
@@ -122,25 +125,29 @@ class PoissonDepth(RecurrentLM):
             cache.advance()
         return out
 
-    def exit_states(self, idx: torch.Tensor, exits, gates: dict | None = None):
-        """One pass (noise off), yielding (e, coda + final LN of h^(e)) for each e in ``exits``; e = 0 is the zero
-        initial state. No gates: a ``gates`` dict stays empty."""
+    def exit_states(self, idx: torch.Tensor, exits, gates: dict | None = None, *, noise: bool = False):
+        """One pass, yielding (e, coda + final LN of h^(e)) for each e in ``exits``; e = 0 is the initial state: zeros
+        (noise off, the default), or with ``noise`` the training draw of h^(0) (Huginn's inference, which also
+        starts from noise), from the global torch RNG so the caller's torch.manual_seed fixes it. No gates: a
+        ``gates`` dict stays empty."""
         wanted = sorted(set(exits))
         h_pre = self.encode(idx)
-        h = self.initial_state(h_pre, noise=False)
+        h = self.initial_state(h_pre, noise=noise)
         for e in range(wanted[-1] + 1):
             if e > 0:
                 h = self.recur(h, h_pre)
             if e in wanted:
                 yield e, self.readout(h)
 
-    def train_depth(self, seed: int, step: int) -> int:
-        """p = Poisson(LogNormal(log r - sigma^2/2, sigma)) + 1 from a generator seeded by sha256(seed, step), never
-        the global RNG: every rank, micro-batch and resume of a step runs the same p (Huginn seeds its sampler by
-        the step for the same reason, with lockstep across ranks). The rate's location uses log r; Huginn's code
-        uses log(max(r - k, 0) + k), the same whenever r >= k (their release: r = 32, k = 8); for r < k we keep
-        E[lambda] = r, the recipe's depth."""
-        key = int.from_bytes(hashlib.sha256(f"poisson-depth:{seed}:{step}".encode()).digest()[:8], "little")
+    def train_depth(self, seed: int, step: int, micro_step: int | None = None) -> int:
+        """p = Poisson(LogNormal(log r - sigma^2/2, sigma)) + 1 from a generator seeded by sha256(seed, step), or by
+        sha256(seed, step, micro_step) with train.depth_granularity=micro_step, never the global RNG: every rank and
+        every resume of a (micro-)step runs the same p (Huginn seeds its sampler by the step for the same reason,
+        with lockstep across ranks). The rate's location uses log r; Huginn's code uses log(max(r - k, 0) + k), the
+        same whenever r >= k (their release: r = 32, k = 8); for r < k we keep E[lambda] = r, the recipe's depth."""
+        # the per-step key is the one checkpoints and tests were made with: never change it
+        text = f"poisson-depth:{seed}:{step}" + ("" if micro_step is None else f":{micro_step}")
+        key = int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little")
         gen = torch.Generator().manual_seed(key)
         r, sigma = float(self.cfg.n_recurrence), self.cfg.depth_sigma
         rate = torch.full((1,), r, dtype=torch.float64)

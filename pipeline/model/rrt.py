@@ -144,9 +144,12 @@ class RRT(RecurrentLM):
             cache.advance()
         return out
 
-    def exit_states(self, idx: torch.Tensor, exits, gates: dict | None = None):
+    def exit_states(self, idx: torch.Tensor, exits, gates: dict | None = None, *, noise: bool = False):
         """One pass, yielding (e, coda + final LN of h^(e)) for each e in ``exits`` (0 = the prelude output). No
         gate: a ``gates`` dict stays empty."""
+        if noise:  # nothing to turn on: this model trains without noise too (dropout is not inference noise)
+            raise ValueError("model.type=rrt has no inference noise: eval.noise=true is for the types in "
+                             "pipeline.model.registry.NOISY_TYPES (grt, poisson); set eval.noise=false")
         wanted = sorted(set(exits))
         h = self.encode(idx)
         for e in range(self._depth(wanted[-1]) + 1):
@@ -165,7 +168,7 @@ class RRT(RecurrentLM):
         return n_steps
 
     # --------------------------------------------------------------------------------------------- accounting
-    def train_depth(self, seed: int, step: int) -> None:
+    def train_depth(self, seed: int, step: int, micro_step: int | None = None) -> None:
         return None  # depth-fixed (the paper's Table 8): every step trains at N_r
 
     @staticmethod

@@ -5,6 +5,10 @@ Randomness: the global RNG is reseeded from (seed, step, micro-batch index over 
 so noise and dropout depend on which samples are processed, not on what happened before — after a resume, with
 activation checkpointing, or with another world size they are the same — and the recurrence depth comes from
 (seed, step) alone, so every rank runs the same number of recurrence steps (FSDP and ZeRO-3 would hang otherwise).
+With ``train.depth_granularity=micro_step`` the depth is drawn per micro-step instead (the paper's Algorithm 1 draws
+r inside every forward), from (seed, step, micro-step index on this rank): still the same on every rank at the same
+micro-step and after a resume, but rank r's micro-step m holds global micro-batch m * world + r, so which samples
+meet which depth depends on the world size (see :meth:`Trainer.step_depths`).
 """
 from __future__ import annotations
 
@@ -78,6 +82,13 @@ FAULT_SIGNAL_AT_STEP = (int(_fault_signal[0] or 0), getattr(signal, _fault_signa
                         or signal.Signals(int(_fault_signal[2])))
 # ... or make the loss of these steps NaN (comma-separated), to exercise the non-finite path
 FAULT_NAN_STEPS = {int(x) for x in os.environ.get("GRT_FAULT_NAN_STEPS", "").split(",") if x.strip()}
+
+
+def mean_over(depths: list, value) -> float | int:
+    """The mean of ``value(d)`` over the micro-steps' depths; the value itself (its type kept) when they agree."""
+    values = [value(d) for d in depths]
+    return values[0] if len(set(values)) == 1 else sum(values) / len(values)
+
 
 class BadStepsError(FloatingPointError):
     pass
@@ -291,14 +302,26 @@ class Trainer:
         return {"step": self.step, "val_loss": self.backend.reduce_mean(total / count), "val_tokens": count,
                 "val_depth": depth}
 
+    def step_depths(self) -> list[int | None]:
+        """The recurrence depth of each of this rank's micro-steps in the coming step (None: a model without a
+        sampled depth runs its own). ``train.depth_granularity=step``: one draw from (seed, step) for all of them.
+        ``micro_step``: one draw per micro-step m from (seed, step, m), m the index in this rank's accumulation loop
+        and not the global micro-batch index, so every rank at micro-step m runs the same depth (FSDP and ZeRO-3
+        need all ranks to call the same modules). The price: rank r's micro-step m holds global micro-batch
+        m * world + r, so the depth a given sample meets depends on the world size (per step it does not)."""
+        seed, step = self.cfg.seed, self.step
+        if self.cfg.train.depth_granularity == "micro_step":
+            return [self.raw_model.train_depth(seed, step, micro) for micro in range(self.accum)]
+        return [self.raw_model.train_depth(seed, step)] * self.accum
+
     def train_step(self) -> dict:
         tc, be = self.cfg.train, self.backend
         t0 = time.perf_counter()
         lr = lr_at(self.step, tc)
         be.set_lr(self.optimizer, lr)
         loss_sum, finite = 0.0, True
-        depth = self.raw_model.train_depth(self.cfg.seed, self.step)  # one depth for the whole step (None: dense)
-        for micro in range(self.accum):
+        depths = self.step_depths()
+        for micro, depth in enumerate(depths):
             x, y = self.loader.next_batch()
             x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
             torch.manual_seed(step_seed(self.cfg.seed, self.step, micro * be.world_size + be.rank))
@@ -329,18 +352,25 @@ class Trainer:
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         dt = time.perf_counter() - t0
-        flops = self.model_cls.flops_per_token(self.cfg.model, depth, with_head=True)
+        # FLOPs per token averaged over the micro-steps (each holds the same number of tokens)
+        flops = mean_over(depths, lambda d: self.model_cls.flops_per_token(self.cfg.model, d, with_head=True))
         # model FLOPs utilisation: forward + backward = 3x the forward FLOPs (or the method's own count: Poisson's
         # no-grad steps, MoR's capacities, Ouro's heads at every loop), over the peak of all devices
         train_flops = getattr(self.model_cls, "training_flops_per_token", None)
-        step_flops = train_flops(self.cfg.model, depth) if train_flops else 3 * flops
+        step_flops = mean_over(depths, lambda d: train_flops(self.cfg.model, d)) if train_flops else 3 * flops
         mfu = step_flops * self.tokens_per_step / dt / (self.peak_flops * be.world_size) if self.peak_flops else None
-        return {"step": self.step, "loss": be.reduce_mean(loss_sum / self.accum), "grad_norm": grad_norm,
-                "lr": lr, "depth": depth, "tokens_per_s": self.tokens_per_step / dt, "step_time_s": dt,
-                "mfu": mfu,
-                "flops_per_token": flops, "tokens_seen": self.step * self.tokens_per_step, "epoch": self.loader.epoch,
-                "finite": finite,
-                "mem_gb": torch.cuda.max_memory_allocated() / 2**30 if self.device.type == "cuda" else None}
+        # per micro-step: "depth" is the mean over this rank's micro-steps (the console's r, MLflow's depth) and
+        # "depths" (metrics.jsonl) lists them in order; every rank ran the same list
+        per_micro = tc.depth_granularity == "micro_step" and depths[0] is not None
+        metrics = {"step": self.step, "loss": be.reduce_mean(loss_sum / self.accum), "grad_norm": grad_norm,
+                   "lr": lr, "depth": sum(depths) / len(depths) if per_micro else depths[0],
+                   "tokens_per_s": self.tokens_per_step / dt, "step_time_s": dt, "mfu": mfu,
+                   "flops_per_token": flops, "tokens_seen": self.step * self.tokens_per_step,
+                   "epoch": self.loader.epoch, "finite": finite,
+                   "mem_gb": torch.cuda.max_memory_allocated() / 2**30 if self.device.type == "cuda" else None}
+        if per_micro:
+            metrics["depths"] = depths
+        return metrics
 
     def _on_signal(self, signum, frame) -> None:
         """SIGTERM / the first SIGINT: stop at the next step boundary after saving. A second SIGINT (not the same

@@ -1,0 +1,165 @@
+"""`grt sweep FOLDER [overrides...]`: every recipe of a folder through `grt run` (tokenize reused -> train -> eval),
+one after another, then one summary table.
+
+The folder's recipes are its ``*.yaml`` files (not its subfolders), in name order; files starting with ``_`` are the
+bases they inherit and do not run. Every run is tagged ``sweep=<folder name>`` in MLflow (over the recipe's own
+``tracking.tags``), so ``grt compare --tag sweep=<folder name>`` shows the sweep as one table. A recipe that fails
+is reported and the sweep goes on with the next; the exit status is 1 when any failed. A stop (Ctrl-C, SIGTERM)
+stops the whole sweep after its summary: the same command later resumes the stopped run and reruns the rest.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+from pipeline.exits import FAILED, OK, TrainingStopped
+
+# runner(recipe file, overrides, data recipe or None): trains and evaluates one recipe, raising when it fails
+Runner = Callable[[str, list, Optional[str]], object]
+
+
+@dataclass
+class SweepRow:
+    """One recipe of a sweep: ``status`` ok | failed | stopped | not run (after a stop) | dry run."""
+
+    recipe: str
+    name: str = "-"
+    status: str = "not run"
+    val_loss: Optional[float] = None
+    seconds: Optional[float] = None
+    error: str = ""
+
+
+def sweep_recipes(folder: str | Path) -> list[Path]:
+    """The recipes a sweep of ``folder`` runs: its ``*.yaml`` / ``*.yml`` files not starting with ``_``, by name."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        hint = " (a recipe file: run it with `grt run`)" if folder.is_file() else ""
+        raise NotADirectoryError(f"grt sweep {folder}: not a folder{hint}; give a folder of recipes, e.g. "
+                                 f"recipes/sweeps/toy-tau")
+    found = sorted(p for p in folder.iterdir()
+                   if p.is_file() and p.suffix in (".yaml", ".yml") and not p.name.startswith("_"))
+    if not found:
+        raise FileNotFoundError(f"grt sweep {folder}: no recipe in it (its *.yaml files not starting with '_')")
+    return found
+
+
+def sweep_tag(folder: str | Path) -> str:
+    """The ``sweep`` tag of every run of the sweep: the folder's name."""
+    return Path(folder).resolve().name
+
+
+def tag_override(folder: str | Path) -> str:
+    # JSON quoting, so that YAML reads the name as a string whatever it looks like (1.0, true, ...)
+    return f"tracking.tags.sweep={json.dumps(sweep_tag(folder))}"
+
+
+def run_recipe(recipe: str, overrides: list, data: Optional[str]) -> None:
+    """The default runner: `grt run`'s own command (tokenize reused -> train -> eval) on one recipe."""
+    from pipeline.cli import cmd_run
+
+    cmd_run(argparse.Namespace(recipe=recipe, overrides=list(overrides), data=data))
+
+
+def _val_loss(cfg) -> Optional[float]:
+    """The validation loss `grt eval` saved for the run (runs/NAME/eval/exits.json), None when it saved none."""
+    f = cfg.run_dir / "eval" / "exits.json"
+    try:
+        return float(json.loads(f.read_text())["val_loss"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _one_line(e: BaseException) -> str:
+    text = str(e).strip() or type(e).__name__
+    return " | ".join(line.strip() for line in text.splitlines() if line.strip())
+
+
+def run_sweep(folder: str | Path, overrides: list | None = None, data: Optional[str] = None,
+              dry_run: bool = False, runner: Runner = run_recipe) -> list[SweepRow]:
+    """Run every recipe of ``folder`` with ``overrides`` (after the sweep tag, so they may change it) and return one
+    :class:`SweepRow` each. Failures are caught per recipe (printed as they happen); a stop (TrainingStopped,
+    KeyboardInterrupt) is raised after the summary is printed, with the remaining recipes marked "not run"."""
+    from pipeline.config import load_recipe
+
+    recipes = sweep_recipes(folder)
+    overrides = [tag_override(folder), *(overrides or [])]
+    rows = [SweepRow(str(p)) for p in recipes]
+    main = int(os.environ.get("RANK", "0")) == 0
+    for i, (path, row) in enumerate(zip(recipes, rows), 1):
+        t0 = time.time()
+        try:
+            cfg = load_recipe(path, overrides, data=data)  # a broken recipe fails here, before anything runs
+            row.name = cfg.name
+            if dry_run:
+                row.status = "dry run"
+                print(f"{i}. {path} -> {cfg.name}: {_describe(cfg)}")
+                continue
+            if main:
+                print(f"\n=== sweep {sweep_tag(folder)} [{i}/{len(recipes)}]: {path} -> run {cfg.name}", flush=True)
+            runner(str(path), overrides, data)
+            row.status, row.val_loss = "ok", _val_loss(cfg)
+        except (TrainingStopped, KeyboardInterrupt):
+            row.status, row.seconds = "stopped", round(time.time() - t0, 1)
+            if main:
+                print(summary_table(rows, folder), flush=True)
+            raise
+        except Exception as e:  # noqa: BLE001 (any failure of one recipe: report it and go on with the next)
+            row.status, row.error = "failed", _one_line(e)
+            if main:
+                print(f"sweep: {path} failed: {row.error}", file=sys.stderr, flush=True)
+                if os.environ.get("GRT_DEBUG"):
+                    traceback.print_exc()
+        if not dry_run:
+            row.seconds = round(time.time() - t0, 1)
+    return rows
+
+
+def _describe(cfg) -> str:
+    """One line of what a recipe runs: model shorthand, steps, tokens, the tags it is logged with."""
+    from pipeline.model import model_info
+
+    info = model_info(cfg.model)
+    tokens = cfg.train.max_steps * cfg.train.micro_batch_size * cfg.train.grad_accum_steps * cfg.model.block_size
+    tags = ", ".join(f"{k}={v}" for k, v in cfg.tracking.tags.items()) or "none"
+    return (f"{cfg.model.type} {info['shorthand']} (d={cfg.model.d_model}), {cfg.train.max_steps:,} steps, "
+            f"{tokens / 1e9:.2f}B tokens; run folder {cfg.run_dir}; tags {tags}")
+
+
+def summary_table(rows: list[SweepRow], folder: str | Path) -> str:
+    """recipe | run | status | val loss | seconds, and the `grt compare` line that shows the runs."""
+    head = ["recipe", "run", "status", "val loss", "seconds"]
+    body = [[Path(r.recipe).name, r.name, r.status, "-" if r.val_loss is None else f"{r.val_loss:.4f}",
+             "-" if r.seconds is None else f"{r.seconds:,.1f}"] for r in rows]
+    widths = [max(len(x) for x in col) for col in zip(head, *body)]
+    line = lambda cells: "  ".join(c.rjust(w) if i >= 3 else c.ljust(w)  # noqa: E731
+                                   for i, (c, w) in enumerate(zip(cells, widths)))
+    failed = [r for r in rows if r.status == "failed"]
+    out = [f"\nsweep {sweep_tag(folder)}: {sum(r.status == 'ok' for r in rows)} ok, {len(failed)} failed, "
+           f"{sum(r.status in ('stopped', 'not run') for r in rows)} not finished of {len(rows)}",
+           line(head), "  ".join("-" * w for w in widths)] + [line(b) for b in body]
+    out += [f"  {Path(r.recipe).name}: {r.error}" for r in failed]
+    out.append("val loss: `grt eval`'s validation loss at the trained depth, nats/token. All runs: "
+               f"grt compare --tag sweep={sweep_tag(folder)}")
+    return "\n".join(out)
+
+
+def sweep_command(folder: str, overrides: list, data: Optional[str] = None, dry_run: bool = False,
+                  runner: Runner = run_recipe) -> int:
+    """`grt sweep`: run (or list, ``dry_run``) and print the summary; 0 when every recipe ran, 1 when any failed."""
+    rows = run_sweep(folder, overrides, data, dry_run, runner)
+    if dry_run:
+        ready = sum(r.status == "dry run" for r in rows)
+        print(f"{ready} of {len(rows)} recipe(s) would run, each tagged sweep={sweep_tag(folder)} (dry run: nothing "
+              f"ran)" + ("; the others fail to load (above)" if ready < len(rows) else ""))
+        return OK if ready == len(rows) else FAILED
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(summary_table(rows, folder))
+    return FAILED if any(r.status == "failed" for r in rows) else OK
