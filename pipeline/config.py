@@ -376,7 +376,7 @@ class EvalConfig:
     max_steps: Optional[int] = None  # R_max for the early-exit curve; default 2R (GRT). Dense: every layer.
     val_tokens: int = 65536  # validation-token budget: the same for every run so numbers compare
     batch_size: int = 8
-    diagnostics: bool = True  # GRT: gate/update statistics, frequency bands, difficulty deciles, anchor ablations
+    diagnostics: bool = True  # the analyses of eval.analyses (false: the exit curve only)
     heatmap_prompts: list[str] = field(default_factory=lambda: [
         "The old man sat by the", "def add(a, b):\n    return a + b", "In 1492, Columbus sailed across the"])
     baseline: Optional[str] = None  # a run folder or name whose exits are overlaid (Figure 3a: dense per-layer exits)
@@ -386,7 +386,9 @@ class EvalConfig:
     task_limit: Optional[int] = None  # items per task (default: all)
     task_batch_size: int = 64
     # Algorithm 1 samples eps_x / eps_g at inference too; Appendix E evaluates with noise off (the default). true: the
-    # exit curves and analyses run with the training noise on, drawn from a generator seeded by the run's seed.
+    # exit curve and the traced per-step analyses run with the training noise on, from the global RNG seeded with the
+    # run's seed before each pass (the prompt traces, gate maps and anchor ablation stay noise-off); the results go
+    # to runs/NAME/eval_noise/ and eval_noise.* metrics, beside the noise-off ones.
     noise: bool = False
     # Appendix E analyses of `grt eval` (names in pipeline.eval.analyses.ANALYSES); [default] = the cheap set, [all]
     analyses: list[str] = field(default_factory=lambda: ["default"])

@@ -28,6 +28,7 @@ def test_the_schema_and_the_registry_name_the_same_analyses():
 
 
 def test_a_model_gets_only_the_analyses_it_has_and_is_told_why_not():
+    assert resolve(["default"], "gpt", False)[1] == {}  # what the default implies is left out quietly
     chosen, skipped = resolve(["all"], "gpt", False)
     assert set(chosen) == {"bands", "deciles", "relative_improvement", "trace"}
     assert set(skipped) == set(ANALYSES) - set(chosen)
@@ -83,6 +84,16 @@ def test_one_traced_pass_gives_the_figures_of_the_hand_computed_states():
     assert res["_gates"].steps() == [1, 2, 3]  # the per-token gate means, for run_analyses' E.5
 
 
+def test_prompted_analyses_are_skipped_for_a_vocabulary_smaller_than_gpt2():
+    from pipeline.eval.analyses import run_analyses
+
+    model, cfg = tiny_grt()  # vocab_size 96: GPT-2 BPE prompt ids would index past its embedding
+    cfg.eval.analyses = ["trace", "gate_heatmaps"]
+    out = run_analyses(model, cfg, {"exit": [0, 1, 2, 3], "loss": [5.0, 4.0, 3.5, 3.4]}, None, 3, 3,
+                       torch.device("cpu"))
+    assert set(out["skipped"]) == {"trace", "gate_heatmaps"} and "model.vocab_size=96" in out["skipped"]["trace"]
+
+
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     from pipeline.tokenize import tokenize
@@ -117,6 +128,10 @@ def test_grt_eval_with_every_analysis_writes_json_plots_and_mlflow(trained):
     assert set(ANALYSES) <= set(diag) and "skipped" not in diag
     assert len(diag["cka"]["cross"]["layer"]) == 4  # the dense baseline: embedding + 3 layers
     assert diag["deciles"]["to_exit"] == 3 and diag["deciles"]["last_exit"] == 6  # E.5 to R; the curve goes to 2R
+    # summaries over steps describe the trained R = 3; the per-step curves run to 2R = 6
+    assert diag["gate_difficulty"]["step"] == [1, 2, 3, 4, 5, 6] and diag["gate_difficulty"]["all_steps_through"] == 3
+    assert diag["effective_rank"]["late_delta"]["step"] == 3 and diag["attention"]["classified_over_steps"] == 3
+    assert diag["gate_difficulty"]["all_steps"]["tokens"] == res["val_tokens"]  # every token, aligned with its loss
     saved = json.loads((cfg.run_dir / "eval" / "exits.json").read_text())
     assert saved["diagnostics"]["similarity"] == diag["similarity"]
     names = {p.rsplit("/", 1)[-1] for p in res["plots"]}
@@ -137,11 +152,21 @@ def test_eval_noise_is_seeded_and_refused_for_a_model_without_noise(trained):
     from pipeline.config import RecipeError
     from pipeline.eval.stage import evaluate
 
+    from mlflow.tracking import MlflowClient
+
     cfg = trained["tiny"]
-    off = evaluate(cfg.run_dir, ["eval.analyses=[steps]", "tracking.enabled=false"], quiet=True)
-    on = evaluate(cfg.run_dir, ["eval.noise=true", "eval.analyses=[steps]", "tracking.enabled=false"], quiet=True)
+    off = evaluate(cfg.run_dir, ["eval.analyses=[steps]"], quiet=True)
+    saved = (cfg.run_dir / "eval" / "exits.json").read_text()
+    on = evaluate(cfg.run_dir, ["eval.noise=true", "eval.analyses=[steps]"], quiet=True)
     again = evaluate(cfg.run_dir, ["eval.noise=true", "eval.analyses=[steps]", "tracking.enabled=false"], quiet=True)
     assert on["loss"] != off["loss"] and on["loss"] == again["loss"]  # noise changes it, the seed fixes it
     assert on["diagnostics"]["steps"]["rho"] == again["diagnostics"]["steps"]["rho"]
+    # beside the noise-off results, never over them: eval_noise/ and eval_noise.* metrics
+    assert (cfg.run_dir / "eval" / "exits.json").read_text() == saved
+    assert json.loads((cfg.run_dir / "eval_noise" / "exits.json").read_text())["noise"] is True
+    client = MlflowClient(cfg.tracking.uri)
+    noisy = client.get_metric_history(on["mlflow_run_id"], "eval_noise.val_loss")
+    assert [m.value for m in noisy] == [on["val_loss"]]
+    assert client.get_metric_history(off["mlflow_run_id"], "eval.val_loss")[-1].value == off["val_loss"]
     with pytest.raises(RecipeError, match="draws no noise"):
         evaluate(trained["dense"].run_dir, ["eval.noise=true", "tracking.enabled=false"], quiet=True)

@@ -61,6 +61,8 @@ def tiny(cls, **kw):
 def test_step_granularity_draws_are_unchanged():
     """The default keeps the key sha256("depth:seed:step") of every earlier run, whatever the global RNG holds."""
     grt, poisson = tiny(GRTConfig, n_recurrence=6), tiny(PoissonConfig, n_recurrence=4, depth_sigma=0.5)
+    # what the code before depth_granularity existed drew for seed 3, steps 0..19 (run on commit ae5dee0)
+    assert [grt.train_depth(3, s) for s in range(20)] == [2, 3, 6, 1, 1, 1, 3, 2, 6, 1, 3, 4, 5, 3, 2, 2, 2, 3, 6, 4]
     for step in range(40):
         torch.manual_seed(1000 + step)
         assert grt.train_depth(3, step) == grt_depth(3, step, 6), step

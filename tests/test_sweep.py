@@ -181,8 +181,10 @@ def test_ablation_row_2_keeps_row_3s_block_executions():
     assert executions(small2) == executions(small3) == 12
     assert small2[0] + small2[1] + small2[3] == small3[0] + small3[1] + small3[3] == 3
     # the training depths r ~ U{1..R}: the same range 3..12 and the same mean 7.5 executions
-    assert [3 * r for r in (1, 4)] == [2 + 1, 2 + 10] and sum(3 * r for r in range(1, 5)) / 4 == \
-        sum(2 + r for r in range(1, 11)) / 10 == 7.5
+    def depths(s):
+        return [s[0] + s[1] * r + s[3] for r in range(1, s[2] + 1)]
+    assert (min(depths(small2)), max(depths(small2))) == (min(depths(small3)), max(depths(small3))) == (3, 12)
+    assert sum(depths(small2)) / len(depths(small2)) == sum(depths(small3)) / len(depths(small3)) == 7.5
     medium2, medium3 = shape("medium-2k/2-recurrence.yaml"), shape("medium-2k/3-prelude-coda.yaml")
     assert medium2 == (0, 6, 4, 0) and medium3 == (2, 5, 4, 2)
     assert executions(medium2) == executions(medium3) == 24 and medium2[2] == medium3[2] == 4

@@ -52,30 +52,37 @@ if set(ANALYSES) != set(ANALYSIS_NAMES):  # the recipe schema validates eval.ana
 
 
 def resolve(names: list[str], model_type: str, has_gate: bool) -> tuple[list[str], dict[str, str]]:
-    """(the analyses to run, in ANALYSES order; {name: why not} for those asked for that this model lacks)."""
-    asked = set()
+    """(the analyses to run, in ANALYSES order; {name: why not} for those asked for by name, or by ``all``, that this
+    model lacks — the ones ``default`` implies are left out quietly)."""
+    asked, named = set(), set()
     for n in names:
         asked |= ({a for a, spec in ANALYSES.items() if spec.default} if n == "default"
                   else set(ANALYSES) if n == "all" else {n})
+        named |= set(ANALYSES) if n == "all" else {n} if n != "default" else set()
     chosen, skipped = [], {}
     for name in ANALYSES:
         if name not in asked:
             continue
         needs = ANALYSES[name].needs
         if needs != "exits" and model_type != "grt":
-            skipped[name] = f"reads GRT's gated recurrence step; model type {model_type!r} has none"
+            why = f"reads GRT's gated recurrence step; model type {model_type!r} has none"
         elif needs == "gate" and not has_gate:
-            skipped[name] = "needs the gate; this GRT has model.gate=none"
+            why = "needs the gate; this GRT has model.gate=none"
         else:
             chosen.append(name)
+            continue
+        if name in named:
+            skipped[name] = why
     return chosen, skipped
 
 
 @torch.no_grad()
 def traced_pass(model, batches, n_steps: int, device, chosen: list[str], noise: bool, analysis_tokens: int,
-                baseline=None) -> dict:
+                baseline=None, trained: int | None = None) -> dict:
     """One pass of :func:`~pipeline.eval.dynamics.trace_steps` per batch feeding every chosen per-step analysis;
-    ``baseline`` (a dense model) gets the same tokens for cross-model CKA."""
+    ``baseline`` (a dense model) gets the same tokens for cross-model CKA. Per-step curves run to ``n_steps``; the
+    summaries over steps (attention head classes, the late update's rank, the gate averaged over steps) stop at
+    ``trained`` (R), as the paper's figures describe its R-step model."""
     want = set(chosen)
     stats = StepStatistics(n_steps) if "steps" in want else None
     similar = SuccessiveStates() if "similarity" in want else None
@@ -83,7 +90,7 @@ def traced_pass(model, batches, n_steps: int, device, chosen: list[str], noise: 
     base = TokenSample(analysis_tokens) if "cka" in want and baseline is not None else None
     gates = TokenGateMean() if "gate_difficulty" in want else None
     attribution = GateAttribution(model.recur.gate) if "gate_attribution" in want else None
-    attention = AttentionStatistics(model, n_steps) if "attention" in want else None
+    attention = AttentionStatistics(model, n_steps, classify_through=trained) if "attention" in want else None
     with attention or contextlib.nullcontext():
         for x, _ in batches:
             x = x.to(device)
@@ -110,7 +117,7 @@ def traced_pass(model, batches, n_steps: int, device, chosen: list[str], noise: 
     if similar is not None:
         out["similarity"] = similar.result()
     if "effective_rank" in want:
-        out["effective_rank"] = effective_rank_by_step(sample)
+        out["effective_rank"] = effective_rank_by_step(sample, late_step=trained)
     if "cka" in want:
         states = [sample.matrix(r) for r in sample.steps()]
         out["cka"] = {"within": cka_matrix(states, sample.steps()),
@@ -149,23 +156,31 @@ def run_analyses(model, cfg, curve: dict, batches, n_max: int, ref: int, device,
     if per_step:
         if baseline is None and "cka" in chosen and baseline_note:
             skipped["cka (cross-model)"] = baseline_note
-        out.update(traced_pass(model, batches(), n_max, device, per_step, ev.noise, ev.analysis_tokens, baseline))
+        torch.manual_seed(cfg.seed)  # eval.noise: the same draws whatever ran before (e.g. building the baseline)
+        out.update(traced_pass(model, batches(), n_max, device, per_step, ev.noise, ev.analysis_tokens, baseline,
+                               trained))
     gates = out.pop("_gates", None)
     if gates is not None:
-        out["gate_difficulty"] = gate_difficulty_by_step(gates, curve["token_losses"][:, exits.index(0)])
+        out["gate_difficulty"] = gate_difficulty_by_step(gates, curve["token_losses"][:, exits.index(0)], trained)
     if "projection" in chosen:
         out["projection"] = projection_analysis(model.recur)
     if "anchor_ablation" in chosen:
         out["anchor_ablation"] = anchor_ablation(model, batches(), ref, device)
-    if "gate_heatmaps" in chosen or "trace" in chosen:
+    prompted = [a for a in ("gate_heatmaps", "trace") if a in chosen]
+    if prompted:
         from pipeline.tokenize.bpe import gpt2_encoding
 
         enc = gpt2_encoding()
+        if cfg.model.vocab_size < enc.n_vocab:  # the prompts' ids would index past the embedding
+            skipped.update({a: f"its prompts are GPT-2 BPE ({enc.n_vocab:,} ids) and this model has "
+                               f"model.vocab_size={cfg.model.vocab_size:,}" for a in prompted})
+            prompted = []
+    if prompted:
         decode = lambda t: enc.decode([t])  # noqa: E731
-        if "gate_heatmaps" in chosen and ev.heatmap_prompts:
+        if "gate_heatmaps" in prompted and ev.heatmap_prompts:
             out["gate_heatmaps"] = gate_heatmaps(model, list(ev.heatmap_prompts), ref, device, enc.encode_ordinary,
                                                  decode)
-        if "trace" in chosen and ev.trace_prompts:
+        if "trace" in prompted and ev.trace_prompts:
             out["trace"] = next_token_traces(model, list(ev.trace_prompts), ref, enc.encode_ordinary, decode)
     if skipped:
         out["skipped"] = skipped
@@ -210,7 +225,7 @@ def analysis_metrics(diag: dict) -> list[tuple[dict, int]]:
     if diag.get("similarity"):
         s = diag["similarity"]
         put("", s["step"], cos_successive=s["cosine"], cos_proposal=s.get("proposal_cosine"),
-            step_gain=s.get("delta_ratio"))
+            delta_ratio=s.get("delta_ratio"))
     if diag.get("effective_rank"):
         e = diag["effective_rank"]
         put("", e["step"], effective_rank=e["effective_rank"], effective_rank_fraction=e["effective_rank_fraction"])
@@ -250,7 +265,7 @@ def print_analyses(diag: dict) -> None:
         print(f"  Δ_rel per exit {ri['step'][0]}..{ri['step'][-1]}: {fmt(ri['relative_improvement'])}")
     if diag.get("similarity"):
         s = diag["similarity"]
-        print(f"  cos(h_r, h_r-1): {fmt(s['cosine'])}; step gain |Δh_r|/|Δh_r-1|: {fmt(s['delta_ratio'])}")
+        print(f"  cos(h_r, h_r-1): {fmt(s['cosine'])}; |Δh_r|/|Δh_r-1|: {fmt(s['delta_ratio'])}")
     if diag.get("effective_rank"):
         e = diag["effective_rank"]
         print(f"  effective rank / max ({e['tokens']:,} tokens), steps {e['step'][0]}..{e['step'][-1]}: "
@@ -262,7 +277,8 @@ def print_analyses(diag: dict) -> None:
                f"; best dense layer per step: {diag['cka']['cross']['best_layer']}"))
     if diag.get("gate_difficulty"):
         g = diag["gate_difficulty"]
-        print(f"  gate vs r=0 loss: Pearson r per step {fmt(g['pearson_r'])}; all steps R² {g['all_steps']['r2']:.4f}")
+        print(f"  gate vs r=0 loss: Pearson r per step {fmt(g['pearson_r'])}; gate over steps 1..{g['all_steps_through']}:"
+              f" R² {fmt([g['all_steps']['r2']])}")
     if diag.get("gate_attribution"):
         a = diag["gate_attribution"]
         print(f"  gate logit variance from the state half per step: {fmt(a['state_var_frac'])}; leading singular "
@@ -276,5 +292,8 @@ def print_analyses(diag: dict) -> None:
         print(f"  attention entropy per step (nats): {fmt(at['mean_entropy'])}; head classes {at['class_counts']}")
     for t in diag.get("trace", []):
         print(f"  trace {t['prompt']!r}: most likely next token per exit {[a['token'] for a in t['argmax']]}")
+    by_reason: dict[str, list[str]] = {}
     for name, why in diag.get("skipped", {}).items():
-        print(f"  (not run: {name}: {why})")
+        by_reason.setdefault(why, []).append(name)
+    for why, names in by_reason.items():
+        print(f"  (not run: {', '.join(names)}: {why})")

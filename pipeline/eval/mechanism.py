@@ -213,14 +213,14 @@ class AttentionStatistics:
     (:func:`attention_row_statistics`); no [B, H, T, T] tensor outlives its call. Run exactly ``n_steps`` steps per
     batch inside it (several batches are fine), then :meth:`result`."""
 
-    def __init__(self, model, n_steps: int, thresholds: dict = HEAD_THRESHOLDS):
+    def __init__(self, model, n_steps: int, thresholds: dict = HEAD_THRESHOLDS, classify_through: int | None = None):
         blocks = getattr(getattr(model, "recur", None), "blocks", None)
         if blocks is None or len(blocks) == 0:
             raise ValueError(f"attention statistics need a recurrent model with core blocks (model.recur.blocks); "
                              f"{type(model).__name__} has none")
         self.attns = [b.attn for b in blocks]
         self.n_steps, self.n_core, self.n_head = n_steps, len(blocks), self.attns[0].n_head
-        self.thresholds = thresholds
+        self.thresholds, self.classify_through = thresholds, classify_through
         self.sums = {k: torch.zeros(n_steps, self.n_core, self.n_head, dtype=torch.float64) for k in ATTENTION_STATS}
         self.rows = torch.zeros(n_steps, self.n_core, dtype=torch.float64)
         self.calls, self._handles = 0, []
@@ -268,7 +268,11 @@ class AttentionStatistics:
         out.update({k: v.tolist() for k, v in mean.items()})
         out.update({f"mean_{k}": v.mean(dim=(1, 2)).tolist() for k, v in mean.items()})
         cls = lambda e, p, d: classify_head(e.item(), p.item(), d.item(), self.thresholds)
-        over = {k: mean[k].mean(0) for k in ("entropy", "prev_mass", "diag_mass")}
+        # a head's class: its statistics averaged over steps 1..classify_through (the trained R; the paper's table
+        # is its R = 6 model's 6 steps), while the per-step tables above run to every traced step
+        upto = min(self.classify_through or self.n_steps, self.n_steps)
+        out["classified_over_steps"] = upto
+        over = {k: mean[k][:upto].mean(0) for k in ("entropy", "prev_mass", "diag_mass")}
         out["classes"] = [[cls(over["entropy"][b, h], over["prev_mass"][b, h], over["diag_mass"][b, h])
                            for h in range(self.n_head)] for b in range(self.n_core)]
         out["classes_per_step"] = [[[cls(mean["entropy"][s, b, h], mean["prev_mass"][s, b, h],
@@ -276,7 +280,7 @@ class AttentionStatistics:
                                     for b in range(self.n_core)] for s in range(self.n_steps)]
         flat = [c for row in out["classes"] for c in row]
         out["class_counts"] = {c: flat.count(c) for c in HEAD_CLASSES}
-        out["stable_heads"] = sum(len({out["classes_per_step"][s][b][h] for s in range(self.n_steps)}) == 1
+        out["stable_heads"] = sum(len({out["classes_per_step"][s][b][h] for s in range(upto)}) == 1
                                   for b in range(self.n_core) for h in range(self.n_head))
         return out
 

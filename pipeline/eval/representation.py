@@ -281,11 +281,14 @@ def gate_difficulty(token_gate_mean: torch.Tensor, token_loss_r0: torch.Tensor, 
                      "tokens": [p.numel() for p in parts]}}
 
 
-def gate_difficulty_by_step(gates: TokenGateMean, token_loss_r0: torch.Tensor) -> dict:
-    """:func:`gate_difficulty` of the gate averaged over all steps (``all_steps``), and r / R² / slope per step (the
-    paper reports the correlation "across all steps")."""
+def gate_difficulty_by_step(gates: TokenGateMean, token_loss_r0: torch.Tensor, through: int | None = None) -> dict:
+    """r / R² / slope per step (the paper reports the correlation "across all steps"), and ``all_steps``:
+    :func:`gate_difficulty` of the gate averaged over steps 1..``through`` (the trained R: the paper's steps are
+    those of its R = 6 model; default every step)."""
     per = [gate_difficulty(gates.step_values(r), token_loss_r0) for r in gates.steps()]
-    return {"all_steps": gate_difficulty(gates.values(), token_loss_r0), "step": gates.steps(),
+    upto = [r for r in gates.steps() if through is None or r <= through]
+    mean = torch.stack([gates.step_values(r) for r in upto]).mean(dim=0)
+    return {"all_steps": gate_difficulty(mean, token_loss_r0), "all_steps_through": upto[-1], "step": gates.steps(),
             **{k: [p[k] for p in per] for k in ("pearson_r", "r2", "slope")}}
 
 
@@ -323,11 +326,11 @@ def effective_rank(X: torch.Tensor, centre: bool = True) -> dict:
             "tokens": n, "dim": d, "centred": centre}
 
 
-def effective_rank_by_step(sample: TokenSample) -> dict:
+def effective_rank_by_step(sample: TokenSample, late_step: int | None = None) -> dict:
     """Figure 14(a): centred :func:`effective_rank` of each step's sampled states, and of each step's update
     Δh^(r) = h^(r) - h^(r-1) on the same tokens (where step r - 1 is sampled too). ``late_delta`` is the update of
-    the last step, the paper's "delta subspace — the directions along which the hidden state changes in later steps"
-    (0.69 against 0.635 for the state)."""
+    step ``late_step`` (the trained R; default the last step), the paper's "delta subspace — the directions along
+    which the hidden state changes in later steps" (0.69 against 0.635 for the state)."""
     steps = sample.steps()
     states = [effective_rank(sample.matrix(r)) for r in steps]
     delta_steps = [r for r in steps if r - 1 in steps]
@@ -336,7 +339,8 @@ def effective_rank_by_step(sample: TokenSample) -> dict:
             "effective_rank_fraction": [e["effective_rank_fraction"] for e in states],
             "delta_step": delta_steps, "delta_effective_rank": [e["effective_rank"] for e in deltas],
             "delta_effective_rank_fraction": [e["effective_rank_fraction"] for e in deltas],
-            "late_delta": {"step": delta_steps[-1], **deltas[-1]} if deltas else None,
+            "late_delta": next(({"step": r, **e} for r, e in zip(delta_steps, deltas) if r == late_step),
+                               {"step": delta_steps[-1], **deltas[-1]} if deltas else None),
             "tokens": states[0]["tokens"] if states else 0, "max_rank": states[0]["max_rank"] if states else None,
             "what": "exp(entropy of normalised singular values) of the centred [tokens, d] state; fraction = "
                     "/ min(tokens - 1, d)"}

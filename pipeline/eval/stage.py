@@ -111,7 +111,9 @@ def evaluate(path: str | Path, overrides: list[str] | None = None, quiet: bool =
                                                                          "tokenize more validation text")
     if problems:
         raise ValueError(" | ".join(problems))
-    out_dir = run_dir_of(ckpt) / "eval"
+    # with eval.noise the results go beside the noise-off ones, never over them (grt sweep, paper-table and compare
+    # read eval/ and the eval.* metrics as the run's figures)
+    out_dir = run_dir_of(ckpt) / ("eval_noise" if ev.noise else "eval")
     if ev.noise and cfg.model.type not in NOISY_TYPES:
         raise RecipeError([f"eval.noise=true: model type {cfg.model.type!r} draws no noise (the types with training "
                            f"noise are {list(NOISY_TYPES)}); set eval.noise=false"], f"grt eval {path}")
@@ -245,41 +247,46 @@ def baseline_model(cfg: RunConfig, baseline: list[dict], device) -> tuple[object
 
 def log_to_mlflow(cfg, state: dict, result: dict, out_dir: Path, plots: list[Path]) -> str:
     """Metrics with step = exit / recurrence step / depth, so MLflow draws them as curves; the JSON and plots as
-    artifacts under eval/."""
+    artifacts under eval/ (eval_noise/ and eval_noise.* metrics with ``eval.noise``)."""
     tracker = open_tracker(cfg.tracking, cfg.name, state.get("mlflow_run_id"), run_dir=out_dir.parent)
+    plain = tracker.log_metrics
+
+    def log(metrics: dict, step: int) -> None:  # eval.noise: eval_noise.* beside the noise-off eval.* metrics
+        plain({("eval_noise." + k[5:] if result.get("noise") and k.startswith("eval.") else k): v
+               for k, v in metrics.items()}, step=step)
+
     for i, e in enumerate(result["exit"]):
         m = {"eval.exit_loss": result["loss"][i], "eval.exit_kl": result["kl"][i], "eval.exit_top1": result["top1"][i]}
         if result.get("gate_mean"):
             m["eval.gate_mean"] = result["gate_mean"][i]
-        tracker.log_metrics(m, step=e)
-    tracker.log_metrics({"eval.val_loss": result["val_loss"]}, step=state["step"])
+        log(m, step=e)
+    log({"eval.val_loss": result["val_loss"]}, step=state["step"])
     for metrics, step in method_metrics(result.get("method") or {}):
-        tracker.log_metrics(metrics, step=step)
+        log(metrics, step=step)
     diag = result.get("diagnostics", {})
     steps = diag.get("steps", {})
     for i, r in enumerate(steps.get("step", [])):
-        tracker.log_metrics({f"eval.{k}": steps[k][i] for k in ("gate_mean", "gate_std", "gate_frac_above_095",
-                                                                 "gate_frac_below_005", "rho", "delta_fp",
-                                                                 "update_over_proposal", "proposal_norm",
-                                                                 "update_norm")
-                             if steps.get(k) and steps[k][i] is not None}, step=r)
+        log({f"eval.{k}": steps[k][i] for k in ("gate_mean", "gate_std", "gate_frac_above_095", "gate_frac_below_005",
+                                                "rho", "delta_fp", "update_over_proposal", "proposal_norm",
+                                                "update_norm")
+             if steps.get(k) and steps[k][i] is not None}, step=r)
     if diag.get("bands"):
         for j, e in enumerate(diag["bands"]["exit"]):
-            tracker.log_metrics({f"eval.band_loss.{name}": row["loss"][j]
-                                 for name, row in diag["bands"]["bands"].items() if row["loss"]}, step=e)
+            log({f"eval.band_loss.{name}": row["loss"][j]
+                 for name, row in diag["bands"]["bands"].items() if row["loss"]}, step=e)
     if diag.get("anchor_ablation"):
-        tracker.log_metrics({f"eval.anchor_loss.{k}": v for k, v in diag["anchor_ablation"]["loss"].items()},
-                            step=diag["anchor_ablation"]["depth"])
+        log({f"eval.anchor_loss.{k}": v for k, v in diag["anchor_ablation"]["loss"].items()},
+            step=diag["anchor_ablation"]["depth"])
     for metrics, step in analysis_metrics(diag):
-        tracker.log_metrics(metrics, step=step)
+        log(metrics, step=step)
     for depth, tasks in result.get("downstream", {}).get("depths", {}).items():
-        tracker.log_metrics({f"downstream.{task}.{metric}": value for task, row in tasks.items()
-                             for metric, value in row.items()}, step=int(depth))
+        log({f"downstream.{task}.{metric}": value for task, row in tasks.items() for metric, value in row.items()},
+            step=int(depth))
     if result.get("downstream"):
-        tracker.log_artifact(out_dir / "downstream.json", "eval")
-    tracker.log_artifact(out_dir / "exits.json", "eval")
+        tracker.log_artifact(out_dir / "downstream.json", out_dir.name)
+    tracker.log_artifact(out_dir / "exits.json", out_dir.name)
     for p in plots:
-        tracker.log_artifact(p, "eval")
+        tracker.log_artifact(p, out_dir.name)
     tracker.close()
     return tracker.run_id
 
@@ -307,8 +314,9 @@ def print_report(result: dict) -> None:
         print("  step   rho    |Δh|/|o|  delta_fp  |o|      |update|" + ("  gate std  g>0.95  g<0.05"
                                                                        if steps.get("gate_std") else ""))
         for i, r in enumerate(steps["step"]):
-            line = (f"  {r:>4}  {steps['rho'][i]:.4f}  {steps['update_over_proposal'][i]:.4f}    "
-                    f"{steps['delta_fp'][i]:.4f}    {steps['proposal_norm'][i]:7.3f}  {steps['update_norm'][i]:7.3f}")
+            cell = lambda key, w=6: "-".rjust(w) if steps[key][i] is None else f"{steps[key][i]:.4f}"  # noqa: E731
+            line = (f"  {r:>4}  {cell('rho')}  {cell('update_over_proposal')}    {cell('delta_fp')}    "
+                    f"{steps['proposal_norm'][i]:7.3f}  {steps['update_norm'][i]:7.3f}")
             if steps.get("gate_std"):
                 line += (f"   {steps['gate_std'][i]:.4f}   {steps['gate_frac_above_095'][i]:.3f}"
                          f"   {steps['gate_frac_below_005'][i]:.4f}")
