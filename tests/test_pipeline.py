@@ -43,7 +43,10 @@ def test_tokenize_train_eval_mlflow(tmp_path, corpus):
     assert [m.step for m in client.get_metric_history(run.info.run_id, "loss")] == [1, 2, 3, 4]
     assert [m.step for m in client.get_metric_history(run.info.run_id, "eval.exit_loss")] == [1, 2, 3, 4, 5, 6]
     arts = {a.path for a in client.list_artifacts(run.info.run_id, "eval")}
-    assert arts == {"eval/exits.json", "eval/early_exit.png", "eval/diagnostics.png", "eval/gate_heatmap.png"}
+    assert arts == {"eval/exits.json", "eval/early_exit.png", "eval/diagnostics.png", "eval/gate_heatmap.png",
+                    # the default analyses' plots (docs/analysis.md)
+                    "eval/representation.png", "eval/gate_attribution.png", "eval/projection.png",
+                    "eval/next_token_traces.png"}
     table, plot = compare(["tiny"], cfg.tracking, tmp_path / "cmp")
     assert "1+1x3+1" in table and f"{res['val_loss']:.4f}" in table and plot.is_file()
 
