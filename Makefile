@@ -44,11 +44,13 @@ compare-methods: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q tests
 
-# For a lent CUDA machine (torch and triton preinstalled there, nothing else): tests marked gpu + GPU benchmarks,
-# JSON into $$OUT when set. Here (no CUDA) it is a dry run with the .venv's Python.
+# For a lent CUDA machine (torch and triton preinstalled there, nothing else; `python3 bench/gpu_check.py` is the same
+# without make): the CUDA tests and the GPU benchmarks, each phase in its own process under its own time cap (7 min in
+# all), $$OUT/gpu_check.json (else runs/gpu-check/) rewritten after every phase. Here (no CUDA) it is a dry run with
+# the .venv's Python. GPU_CHECK_ARGS: e.g. --only gate_op,train_d or --cap-scale 2 (bench/gpu_check.py --help).
 GPU_PY := $(shell test -x $(PY) && echo $(PY) || echo $(PYTHON))
 gpu-check:
-	$(GPU_PY) bench/gpu_check.py
+	$(GPU_PY) bench/gpu_check.py $(GPU_CHECK_ARGS)
 
 clean:
 	rm -rf $(VENV) runs data mlflow.db mlruns .pytest_cache

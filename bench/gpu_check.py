@@ -1,92 +1,388 @@
-"""`make gpu-check`: the checks for a lent CUDA machine, in one command (each bench has its own time limit below).
+"""`make gpu-check` (or `python3 bench/gpu_check.py`): the checks for a lent CUDA machine, in one command that keeps
+every figure it has measured when one part fails, hangs or is killed. Phases, each in its own process under its own
+time cap, in this order:
 
-1. the CUDA tests (tests/test_gpu.py: kernels vs reference in float32 and bfloat16, compiled + fused training vs
-   eager), called directly so that pytest is not needed there;
-2. bench/gate_op.py (fused op bandwidth vs copy, speed-ups over the eager and compiled references);
-3. bench/train.py --arms d,e (GRT vs dense tokens/s eager / compiled / compiled + fused; MFU of GPT-2 medium);
-4. bench/decode.py at the paper's sizes (Table 3: decode ms/token and peak memory, eager and compiled, GPT-2 medium /
-   large vs GRT medium / large iso-FLOP; Table 4: weights + KV at B = 1 and 32 per KV strategy vs GPT-2 medium).
+  tests          tests/test_gpu.py without pytest (kernels vs reference, compiled + fused training vs eager); each
+                 test's result is appended to a JSON-lines file as it finishes, so a killed run keeps the finished ones
+  gate_op        bench/gate_op.py: kernel-only bandwidth vs copy_, end-to-end op time vs eager / compiled references
+  train_d        bench/train.py --arms d: GRT vs dense tokens/s, eager / compiled (plain formula) / compiled + fused
+  train_e        bench/train.py --arms e: MFU of GPT-2 medium
+  decode_medium  bench/decode.py's Table 3 at the medium scale (GPT-2 medium vs GRT medium-isoflop)
+  decode_large   the same at the large scale
+  decode_table4  bench/decode.py's Table 4 (weights + KV bytes per KV strategy)
 
-The machine needs torch and triton only: nothing here imports deepspeed, mlflow, tiktoken or PyYAML. Results go to
-``$OUT/gpu_check.json`` when OUT is set (and to stdout). Without CUDA it is a dry run: the CUDA-only parts are
-skipped with a message, the rest runs on the CPU on small shapes.
+``$OUT/gpu_check.json`` (``--out`` or ``$OUT``, else runs/gpu-check/) is rewritten after every phase and after every
+finished CUDA test, atomically, so it is whole whenever the run is killed; each phase's output goes to
+``gpu_check.log`` beside it. A phase past its cap is killed with its child processes and recorded as ``timed_out``
+with the end of its output; the next phase runs. The caps add up to the total printed first.
+
+The machine needs torch and triton only: nothing here imports pytest, deepspeed, mlflow, tiktoken or PyYAML. Without
+CUDA it is a dry run: the CUDA tests are skipped, the benches run their CPU paths on small shapes (``--tiny``: the
+smallest, for tests/test_gpu_check.py). ``--only`` picks phases and their order; ``--cap-scale`` and ``--cap NAME=S``
+change the caps (the tests force a timeout with them).
 """
 from __future__ import annotations
 
-import _bootstrap  # noqa: F401
+import _bootstrap  # noqa: F401  (first: keeps bench/tokenize.py from shadowing the standard library's tokenize)
 
+import argparse
 import importlib.util
+import inspect
 import json
 import os
+import signal
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
+from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 ROOT = Path(__file__).resolve().parents[1]
+ME = "bench/gpu_check.py"
+TAIL = 3000  # characters of a failed or killed phase's output kept in the JSON
 
 
-def run_cuda_tests() -> dict:
-    spec = importlib.util.spec_from_file_location("test_gpu", ROOT / "tests" / "test_gpu.py")
+@dataclass(frozen=True)
+class Phase:
+    name: str
+    argv: tuple  # after `python`, run in the repository root
+    cap_s: float
+
+
+# On the H200: one command may run 10 minutes and a session has 15 in all, so the check must fit in 8 with room for a
+# rerun. The caps add up to 420 s = 7 min, a minute under the 8 for the parent's own start and the processes' exits
+# (each cap already counts its process's torch import). Nobody has timed these phases on a GPU yet: the caps follow
+# the work (compilation by inductor and Triton on a fresh machine, with no cache, is most of every phase; the timed
+# loops take seconds) and each phase's "s" in the JSON is the figure to re-size them by. The tests (the correctness
+# gate) and the figures the issue asks for (kernel bandwidth, GRT/dense tokens/s, MFU) come first and get the longest
+# caps; train_d compiles the most (three compiled models); gate_op runs bf16 only (what autocast hands the op; fp32
+# would double its builds); decode gets what is left, each scale on its own so the medium rows survive a slow large.
+CUDA_PHASES = (
+    Phase("tests", (ME, "--run-tests", "tests/test_gpu.py"), 120),  # 7 tests, two compile a model with inductor
+    Phase("gate_op", ("bench/gate_op.py", "--dtypes", "bfloat16"), 40),
+    Phase("train_d", ("bench/train.py", "--arms", "d", "--repeat", "10"), 95),
+    Phase("train_e", ("bench/train.py", "--arms", "e", "--mfu-steps", "150"), 65),
+    Phase("decode_medium", (ME, "--decode", "medium", "--decode-sizes", "paper", "--repeat", "2"), 40),
+    Phase("decode_large", (ME, "--decode", "large", "--decode-sizes", "paper", "--repeat", "2"), 45),
+    Phase("decode_table4", (ME, "--decode", "table4", "--decode-sizes", "paper"), 15),
+)
+# Without CUDA: the benches' CPU sizes. The dry run has no time budget: caps 3-5x the times measured on a loaded 2-core
+# CPU with inductor's cache warm (gate_op 45 s, train_d 20 s (60 s cold), train_e 15 s, decode 104 / 171 / 43 s).
+CPU_PHASES = (
+    Phase("tests", (), 0),
+    Phase("gate_op", ("bench/gate_op.py",), 180),
+    Phase("train_d", ("bench/train.py", "--arms", "d", "--repeat", "1"), 300),
+    Phase("train_e", ("bench/train.py", "--arms", "e", "--mfu-steps", "2"), 120),
+    Phase("decode_medium", (ME, "--decode", "medium", "--decode-sizes", "reduced", "--repeat", "1"), 600),
+    Phase("decode_large", (ME, "--decode", "large", "--decode-sizes", "reduced", "--repeat", "1"), 600),
+    Phase("decode_table4", (ME, "--decode", "table4", "--decode-sizes", "reduced"), 150),
+)
+# --tiny: the smallest sizes each bench takes, for the tests of this script
+TINY_PHASES = (
+    Phase("tests", (), 0),
+    Phase("gate_op", ("bench/gate_op.py", "--rows", "8", "--d", "64", "--calls", "2", "--repeat", "1",
+                      "--dtypes", "float32", "--sigmas", "0.1"), 120),
+    Phase("train_d", ("bench/train.py", "--arms", "d", "--repeat", "1"), 400),
+    Phase("train_e", ("bench/train.py", "--arms", "e", "--mfu-steps", "1"), 120),
+    Phase("decode_medium", (ME, "--decode", "medium", "--decode-sizes", "tiny", "--repeat", "1"), 300),
+    Phase("decode_large", (ME, "--decode", "large", "--decode-sizes", "tiny", "--repeat", "1"), 300),
+    Phase("decode_table4", (ME, "--decode", "table4", "--decode-sizes", "tiny"), 60),
+)
+
+
+# The figures issue #16 asks of a GPU run (phase, then keys into its result), gathered at the top of the JSON as the
+# phases finish and printed last, where the end of the output shows them
+GATE_OP_FIGURES = ("kernel_fwd_gb_per_s", "kernel_bwd_gb_per_s", "copy_gb_per_s",
+                   "kernel_fwd_fraction_of_copy_bandwidth", "kernel_bwd_fraction_of_copy_bandwidth",
+                   "fused_op_fwd_bwd_us", "fused_op_overhead_over_kernels_us",
+                   "fused_op_speedup_over_compiled_reference")
+TRAIN_D_FIGURES = ("ratio_grt_over_dense_eager", "ratio_grt_compiled_plain_over_dense_compiled",
+                   "ratio_grt_compiled_fused_over_dense_compiled", "speedup_fused_over_plain_compiled")
+SUMMARY = (tuple(("gate_op", "results", "bfloat16_sigma0.1", k) for k in GATE_OP_FIGURES)
+           + tuple(("train_d", "d_grt_vs_dense_eager_compiled_fused", k) for k in TRAIN_D_FIGURES)
+           + (("train_e", "e_mfu_gpt2_medium", "mfu"), ("train_e", "e_mfu_gpt2_medium", "tokens_per_s")))
+
+
+def summary(phases: dict) -> dict:
+    """The SUMMARY figures the finished phases hold, keyed by their path joined with '/'."""
+    out = {}
+    for name, *keys in SUMMARY:
+        v = phases.get(name, {}).get("result")
+        for k in keys:
+            v = v.get(k) if isinstance(v, dict) else None
+        if v is not None:
+            out["/".join((name, *keys))] = v
+    return out
+
+
+class Interrupted(Exception):
+    """SIGTERM / SIGINT: the phase under way is killed and recorded, the JSON written, then the check exits."""
+
+
+# ------------------------------------------------------------------------------------------- the child modes
+def run_tests_child(path: str, results: str) -> int:
+    """Run the module's ``test_*`` functions in their order in the file, appending one JSON line per event to
+    ``results`` (the list first, then a start and an end line per test), flushed, so the parent reads them even after
+    killing this process."""
+    spec = importlib.util.spec_from_file_location(Path(path).stem, ROOT / path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    results = {}
-    for name in sorted(n for n in dir(mod) if n.startswith("test_")):
-        t = time.time()
-        try:
-            getattr(mod, name)()
-            results[name] = {"ok": True, "s": round(time.time() - t, 1)}
-        except Exception as e:  # noqa: BLE001 — reported, and the exit code says it
-            results[name] = {"ok": False, "error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()[-2000:]}
-    return results
+    names = [n for n, f in vars(mod).items() if n.startswith("test_") and callable(f)]
+    with open(results, "a", buffering=1) as log:
+        def emit(**event):
+            log.write(json.dumps(event) + "\n")
+            log.flush()
+
+        emit(tests=names)
+        failed = 0
+        for name in names:
+            fn, t = getattr(mod, name), time.time()
+            emit(test=name, started=True)
+            required = [p for p in inspect.signature(fn).parameters.values() if p.default is inspect.Parameter.empty]
+            try:
+                if required:
+                    raise TypeError(f"takes arguments {[p.name for p in required]} (pytest fixtures or parametrize): "
+                                    f"this runner calls tests without arguments; give them defaults or a loop")
+                fn()
+                emit(test=name, ok=True, s=round(time.time() - t, 1))
+            except KeyboardInterrupt:
+                raise
+            except BaseException as e:  # noqa: BLE001 — recorded, and the exit code says it
+                if type(e).__name__ == "Skipped":  # pytest.skip() where pytest is installed: not a failure
+                    emit(test=name, ok=True, skipped=str(e), s=round(time.time() - t, 1))
+                    continue
+                failed += 1
+                emit(test=name, ok=False, s=round(time.time() - t, 1), error=f"{type(e).__name__}: {e}",
+                     trace=traceback.format_exc()[-2000:])
+    print(json.dumps({"passed": len(names) - failed, "failed": failed}))
+    return 1 if failed else 0
 
 
-def run_bench(args: list[str], timeout: int) -> dict:
-    t = time.time()
-    try:
-        proc = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT)
-    except subprocess.TimeoutExpired as e:  # reported with the others' results instead of ending the check
-        err = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
-        return {"ok": False, "error": f"{args[0]} ran past its {timeout} s limit; last output:\n{err[-2000:]}"}
-    if proc.returncode != 0:
-        return {"ok": False, "error": proc.stderr[-3000:]}
-    return {"ok": True, "s": round(time.time() - t, 1), "result": json.loads(proc.stdout)}
+def read_test_results(path: Path, finished: bool) -> dict:
+    """{test: result} from the child's JSON lines. A test started and not ended was running when the phase was
+    killed; a listed test never started did not run."""
+    listed, res, running = [], {}, None
+    if path.exists():
+        for line in path.read_text().splitlines():
+            try:
+                ev = json.loads(line)
+            except json.JSONDecodeError:  # a line cut by the kill
+                continue
+            if "tests" in ev:
+                listed = ev["tests"]
+            elif ev.get("started"):
+                running = ev["test"]
+            else:
+                res[ev["test"]] = {k: v for k, v in ev.items() if k != "test"}
+                running = None
+    if running is not None:
+        res[running] = {"ok": False, "error": "was running when the phase was stopped" if finished else "running"}
+    for name in listed:
+        if name not in res and finished:
+            res[name] = {"ok": False, "error": "not run: the phase was stopped before it"}
+    return res
 
 
-def main() -> int:
+def decode_child(part: str, sizes_name: str, repeat: int) -> int:
+    """One part of bench/decode.py (Table 3 at one scale, or Table 4), its JSON shape holding that part alone."""
+    import torch
+
+    spec = importlib.util.spec_from_file_location("decode", ROOT / "bench" / "decode.py")
+    decode = importlib.util.module_from_spec(spec)
+    sys.modules["decode"] = decode
+    spec.loader.exec_module(decode)
+    sizes = {"paper": decode.PAPER_SIZES, "reduced": decode.CPU_SIZES,
+             "tiny": decode.Sizes("tiny", widths={"medium": (32, 2), "large": (32, 2)}, batch=2, prompt=6,
+                                  new_tokens=3, t4_batches=(1, 3), t4_positions=12, t4_decode=2,
+                                  vocab_size=64)}[sizes_name]
     cuda = torch.cuda.is_available()
-    report = {"cuda": cuda, "device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__}
+    device = torch.device("cuda" if cuda else "cpu")
+    t = time.time()
+    out = {"device": torch.cuda.get_device_name(device) if cuda else "cpu", "torch": torch.__version__,
+           "sizes": sizes.name, "widths": sizes.widths}
+    if part == "table4":
+        out["table4"] = decode.table4(sizes, device)
+    else:
+        out["table3"] = decode.table3(sizes, device, torch.bfloat16 if cuda else torch.float32, repeat, "blocks",
+                                      ["full", "averaged"], scales=(part,))
+    out["wall_s"] = round(time.time() - t, 1)
+    print(json.dumps(out, indent=2))
+    return 0
+
+
+# ------------------------------------------------------------------------------------------------ the parent
+def tail(path: Path) -> str:
+    return path.read_text(errors="replace")[-TAIL:] if path.exists() else ""
+
+
+def run_phase(phase: Phase, cap_s: float, work: Path, log, on_poll=None) -> dict:
+    """Run one phase in its own process session under ``cap_s``; on the cap kill the session (the benches' compile
+    workers too) and report what the phase printed. ``on_poll()`` is called about every second while it runs."""
+    out, err = work / f"{phase.name}.out", work / f"{phase.name}.err"
+    t0 = time.time()
+    with open(out, "w") as fo, open(err, "w") as fe:
+        proc = subprocess.Popen([sys.executable, *phase.argv], cwd=ROOT, stdout=fo, stderr=fe,
+                                start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        timed_out = False
+        try:
+            while True:
+                try:
+                    proc.wait(timeout=max(0.05, min(1.0, t0 + cap_s - time.time())))
+                    break
+                except subprocess.TimeoutExpired:
+                    if on_poll:
+                        on_poll()
+                    if time.time() >= t0 + cap_s:
+                        timed_out = True
+                        break
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    s = round(time.time() - t0, 1)
+    log.write(f"===== {phase.name}: {' '.join(phase.argv)} ({s} s, cap {cap_s:g} s)\n{err.read_text(errors='replace')}"
+              f"----- stdout\n{out.read_text(errors='replace')}\n")
+    log.flush()
+    res = {"cap_s": cap_s, "s": s}
+    if timed_out:
+        return {**res, "status": "timed_out", "error": f"ran past its cap of {cap_s:g} s and was killed",
+                "stdout_tail": tail(out), "stderr_tail": tail(err)}
+    if proc.returncode != 0:
+        return {**res, "status": "failed", "rc": proc.returncode, "error": tail(err), "stdout_tail": tail(out)}
+    try:
+        return {**res, "status": "ok", "result": json.loads(out.read_text())}
+    except json.JSONDecodeError as e:
+        return {**res, "status": "failed", "error": f"its output is not one JSON object ({e})",
+                "stdout_tail": tail(out)}
+
+
+def tests_progress(report: dict, results: Path, out_dir: Path):
+    """An ``on_poll`` for the tests phase: each finished test reaches the JSON while the next one runs."""
+    seen = None
+
+    def poll():
+        nonlocal seen
+        now = read_test_results(results, finished=False)
+        if now != seen:
+            seen = now
+            report["phases"]["tests"].update(status="running", results=now)
+            write_json(report, out_dir)
+    return poll
+
+
+def write_json(report: dict, out_dir: Path) -> None:
+    """Whole or not at all: a kill during the write leaves the previous version."""
+    tmp = out_dir / "gpu_check.json.tmp"
+    tmp.write_text(json.dumps(report, indent=2) + "\n")
+    os.replace(tmp, out_dir / "gpu_check.json")
+
+
+def parse_caps(items: list[str], names: list[str]) -> dict[str, float]:
+    caps = {}
+    for item in items:
+        name, _, value = item.partition("=")
+        if name not in names or not value:
+            raise SystemExit(f"--cap {item}: give NAME=SECONDS with NAME one of {names}")
+        caps[name] = float(value)
+    return caps
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=None, help="folder for gpu_check.json and .log (default: $OUT, else "
+                                                "runs/gpu-check)")
+    ap.add_argument("--only", default=None, help="comma-separated phases to run, in that order (default: all)")
+    ap.add_argument("--cap-scale", type=float, default=1.0, help="multiply every phase's cap")
+    ap.add_argument("--cap", action="append", default=[], metavar="NAME=S", help="one phase's cap in seconds")
+    ap.add_argument("--tiny", action="store_true", help="without CUDA: the smallest sizes (for the tests)")
+    ap.add_argument("--run-tests", default=None, help=argparse.SUPPRESS)  # child modes
+    ap.add_argument("--results", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--decode", default=None, choices=["medium", "large", "table4"], help=argparse.SUPPRESS)
+    ap.add_argument("--decode-sizes", default="paper", help=argparse.SUPPRESS)
+    ap.add_argument("--repeat", type=int, default=1, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.run_tests:
+        return run_tests_child(args.run_tests, args.results)
+    if args.decode:
+        return decode_child(args.decode, args.decode_sizes, args.repeat)
+    import torch  # here, not above: the tests' runner imports only what the tests do
+
+    cuda = torch.cuda.is_available()
+    if cuda and args.tiny:
+        ap.error("--tiny is for the dry run without CUDA")
+    table = CUDA_PHASES if cuda else TINY_PHASES if args.tiny else CPU_PHASES
+    names = [p.name for p in table]
+    only = args.only.split(",") if args.only else names
+    if bad := [n for n in only if n not in names]:
+        ap.error(f"--only {','.join(bad)}: choose among {','.join(names)}")
+    plan = [next(p for p in table if p.name == n) for n in dict.fromkeys(only)]
+    caps = {p.name: p.cap_s * args.cap_scale for p in plan} | parse_caps(args.cap, names)
+    out_dir = Path(args.out or os.environ.get("OUT") or ROOT / "runs" / "gpu-check")
+    out_dir.mkdir(parents=True, exist_ok=True)
     try:
         import triton
-        report["triton"] = triton.__version__
+        triton_version = triton.__version__
     except ImportError:
-        report["triton"] = None
-    if cuda:
-        report["tests"] = run_cuda_tests()
-        report["gate_op"] = run_bench(["bench/gate_op.py", "--repeat", "50"], 180)
-        report["train"] = run_bench(["bench/train.py", "--arms", "d,e", "--repeat", "10", "--mfu-steps", "300"], 360)
-        report["decode"] = run_bench(["bench/decode.py", "--full", "--repeat", "3"], 480)
-    else:
-        msg = "dry run: no CUDA device; skipped: the CUDA tests, the Triton arm and copy ceiling of gate_op, the GPU " \
-              "train arms. Ran: the benches' CPU paths on small shapes."
-        print(msg, file=sys.stderr)
-        report["dry_run"] = msg
-        report["gate_op"] = run_bench(["bench/gate_op.py", "--repeat", "3", "--rows", "64", "--d", "256"], 300)
-        report["train"] = run_bench(["bench/train.py", "--arms", "d,e", "--repeat", "1", "--mfu-steps", "2"], 900)
-        report["decode"] = run_bench(["bench/decode.py", "--repeat", "1"], 1200)  # the reduced CPU sizes
-    text = json.dumps(report, indent=2)
-    print(text)
-    if os.environ.get("OUT"):
-        Path(os.environ["OUT"], "gpu_check.json").write_text(text)
-    failed = [k for k, v in report.get("tests", {}).items() if not v["ok"]]
-    failed += [k for k in ("gate_op", "train", "decode") if not report[k]["ok"]]
+        triton_version = None
+    runs = [p for p in plan if cuda or p.name != "tests"]
+    estimate = sum(caps[p.name] for p in runs)
+    report = {"cuda": cuda, "device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
+              "triton": triton_version, "profile": "cuda" if cuda else "tiny" if args.tiny else "cpu",
+              "status": "running", "estimate_s": round(estimate, 1), "elapsed_s": 0.0, "summary": {},
+              "phases": {p.name: {"status": "pending", "cap_s": caps[p.name]} for p in plan}}
+    if not cuda:
+        report["dry_run"] = ("no CUDA device: the CUDA tests and the CUDA-only arms (gate_op's CUDA graphs and "
+                             "events, train_d's fused arm) are skipped; the benches' CPU paths run on small shapes")
+        if "tests" in only:
+            report["phases"]["tests"] = {"status": "skipped", "cap_s": 0, "error": "needs a CUDA device"}
+    print(f"gpu-check: {len(runs)} phases, at most {estimate:.0f} s ({estimate / 60:.1f} min) in all: "
+          + ", ".join(f"{p.name} {caps[p.name]:g} s" for p in runs) + f"; JSON: {out_dir / 'gpu_check.json'}",
+          file=sys.stderr, flush=True)
+
+    def stop(signum, _frame):
+        raise Interrupted(signal.Signals(signum).name)
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    t0 = time.time()
+    write_json(report, out_dir)
+    with tempfile.TemporaryDirectory(prefix="gpu-check-") as tmp, open(out_dir / "gpu_check.log", "w") as log:
+        results = Path(tmp) / "tests.jsonl"
+        for p in runs:
+            phase, on_poll = p, None
+            if p.name == "tests":
+                phase = Phase(p.name, (*p.argv, "--results", str(results)), p.cap_s)
+                on_poll = tests_progress(report, results, out_dir)
+            report["phases"][p.name] = {"status": "running", "cap_s": caps[p.name]}
+            write_json(report, out_dir)  # a killed check then says which phase it was in
+            try:
+                res = run_phase(phase, caps[p.name], Path(tmp), log, on_poll)
+            except Interrupted as e:
+                report["phases"][p.name].update(status="interrupted", error=f"the check got {e} during this phase")
+                report.update(status="interrupted", elapsed_s=round(time.time() - t0, 1))
+                write_json(report, out_dir)
+                print(f"gpu-check: interrupted ({e}) during {p.name}", file=sys.stderr)
+                return 143
+            if p.name == "tests":  # per test from the JSON lines, whatever became of the runner
+                res["results"] = read_test_results(results, finished=True)
+                if bad := [n for n, r in res["results"].items() if not r["ok"]]:
+                    res["error"] = f"tests not passed: {bad}; {res.get('error', '')}".rstrip("; ")
+            report["phases"][p.name] = res
+            report.update(elapsed_s=round(time.time() - t0, 1), summary=summary(report["phases"]))
+            write_json(report, out_dir)
+            print(f"gpu-check: {p.name}: {res['status']} in {res['s']} s (cap {caps[p.name]:g} s)", file=sys.stderr,
+                  flush=True)
+    report["status"] = "done"
+    write_json(report, out_dir)
+    print(json.dumps(report, indent=2))
+    print("gpu-check: summary " + json.dumps(report["summary"], indent=1), file=sys.stderr)
+    failed = [n for n, r in report["phases"].items() if r["status"] not in ("ok", "skipped")]
     if failed:
-        print(f"gpu-check: FAILED {failed}", file=sys.stderr)
+        print(f"gpu-check: FAILED {failed} (details in {out_dir / 'gpu_check.json'})", file=sys.stderr)
         return 1
-    print("gpu-check: all passed" + (" (dry run)" if not cuda else ""), file=sys.stderr)
+    print("gpu-check: all passed" + ("" if cuda else " (dry run)"), file=sys.stderr)
     return 0
 
 

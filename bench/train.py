@@ -7,7 +7,9 @@
     backward time ratio at the same config.
 
 (d) GRT vs dense at matched FLOPs per token as the fast-step work changes them: eager (reference ops), compiled
-    (torch.compile per block / recurrence step), compiled + fused (the Triton gate ops); tokens/s and their ratio;
+    (torch.compile per block / recurrence step) with the gate update and state noise as plain torch ops that
+    inductor fuses itself (``grt_compiled_plain``: the fair baseline for the kernels), compiled + fused (the Triton
+    gate ops); tokens/s, their ratios, and what the fused kernels add over the plain compiled formula;
 (e) MFU of the dense GPT-2 medium shape (recipes/paper/gpt2-medium.yaml) over a few hundred compiled bf16 steps.
 
     python bench/train.py [--device cpu|cuda] [--repeat 5] [--arms a,b,c,d,e] [--mfu-steps 300]
@@ -26,6 +28,7 @@ import contextlib
 import json
 import math
 import time
+import types
 from pathlib import Path
 
 import torch
@@ -34,6 +37,7 @@ import torch.nn.functional as F
 
 from pipeline.config import GPTConfig, GRTConfig  # noqa: E402
 from pipeline.model import build_model, model_class  # noqa: E402
+from pipeline.model.grt import RecurrentStep  # noqa: E402
 from ops import gate as gate_ops  # noqa: E402
 from pipeline.train.mfu import device_peak_flops  # noqa: E402
 from pipeline.train.parallelize import apply_activation_checkpointing, apply_compile  # noqa: E402
@@ -72,6 +76,55 @@ class RefGPT(nn.Module):
             x = b(x)
         logits = self.head(self.ln_f(x))
         return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+
+
+# ------------------------------------------------------------- (d) the fair compiled baseline: the step in plain ops
+def plain_gate_update(z, h, o, inv_tau: float, sigma: float, seed=None):
+    """``grt::gate_update``'s function as plain torch ops (its reference's float32 math), the noise from torch.randn
+    in the graph instead of a seeded generator (``seed`` unused): a formula inductor can fuse into its own kernels."""
+    dt = torch.promote_types(z.dtype, torch.float32)
+    logit = z.to(dt) * inv_tau
+    if sigma > 0:
+        logit = logit + sigma * torch.randn_like(logit)
+    g = torch.sigmoid(logit)
+    o32 = o.to(dt)
+    return (o32 + g * (h.to(dt) - o32)).to(h.dtype)
+
+
+def plain_state_noise(h, sigma: float, seed=None):
+    """``grt::state_noise`` as plain torch ops: h + sigma N(0, 1), the noise from torch.randn in the graph."""
+    dt = torch.promote_types(h.dtype, torch.float32)
+    return (h.to(dt) + sigma * torch.randn_like(h, dtype=dt)).to(h.dtype)
+
+
+PLAIN_OPS = {"gate_update": plain_gate_update, "state_noise": plain_state_noise}
+
+
+def _with_plain_ops(fn):
+    """``fn`` (a RecurrentStep method) with the custom ops it calls by name rebound to the plain formulas."""
+    missing = set(PLAIN_OPS) - set(RecurrentStep.forward.__code__.co_names + RecurrentStep.proposal.__code__.co_names)
+    if missing:  # grt.py calls the ops another way now: this baseline would silently time the custom ops
+        raise RuntimeError(f"RecurrentStep no longer calls {sorted(missing)} by name; update bench/train.py's "
+                           f"plain-formula step to how grt.py calls its gate ops")
+    new = types.FunctionType(fn.__code__, {**fn.__globals__, **PLAIN_OPS}, fn.__name__, fn.__defaults__,
+                             fn.__closure__)
+    new.__kwdefaults__, new.__qualname__ = fn.__kwdefaults__, fn.__qualname__
+    return new
+
+
+class PlainFormulaStep(RecurrentStep):
+    """grt.py's recurrence step, line for line (its own code), with the gate update and state noise as plain torch
+    ops instead of the custom ops: the same function (equal at noise 0; equally distributed noise), which
+    torch.compile traces into inductor's fused kernels; the custom op's reference path is opaque to inductor and
+    builds a torch.Generator per call, so it is no fair baseline for the Triton kernels."""
+
+    forward = _with_plain_ops(RecurrentStep.forward)
+    proposal = _with_plain_ops(RecurrentStep.proposal)
+
+
+def use_plain_formula(model) -> None:
+    """Make a GRT's recurrence step a :class:`PlainFormulaStep` (the same parameters; before compiling)."""
+    model.recur.__class__ = PlainFormulaStep
 
 
 # ------------------------------------------------------------------------------------------------ timing
@@ -221,12 +274,14 @@ def arm_d(out, device, repeat):
     idx = torch.randint(0, V, (B, S), device=device)
     targets = torch.randint(0, V, (B, S), device=device)
 
-    def make(kind, compiled):
+    def make(kind, compiled, plain=False):
         torch.manual_seed(0)
         cfg = (GRTConfig(vocab_size=V, block_size=S, d_model=d, n_head=h, n_prelude=2, n_core=2, n_coda=2,
                          n_recurrence=4) if kind == "grt" else
                GPTConfig(vocab_size=V, block_size=S, d_model=d, n_head=h, n_layer=12))
         m = build_model(cfg).to(device).train()
+        if plain:
+            use_plain_formula(m)
         if compiled:
             apply_compile(m)
         return m
@@ -243,7 +298,7 @@ def arm_d(out, device, repeat):
     fns = {"dense_eager": step(make("gpt", False), None, "reference"),
            "grt_eager": step(make("grt", False), 4, "reference"),
            "dense_compiled": step(make("gpt", True), None, "reference"),
-           "grt_compiled": step(make("grt", True), 4, "reference")}
+           "grt_compiled_plain": step(make("grt", True, plain=True), 4, "reference")}
     if cuda:
         fns["grt_compiled_fused"] = step(make("grt", True), 4, "auto")
     t = interleaved(fns, device, repeat)
@@ -251,11 +306,14 @@ def arm_d(out, device, repeat):
     tok = B * S
     res = {f"{k}_tokens_per_s": round(tok / v) for k, v in t.items()}
     res["ratio_grt_over_dense_eager"] = round(t["dense_eager"] / t["grt_eager"], 3)
-    res["ratio_grt_over_dense_compiled"] = round(t["dense_compiled"] / t["grt_compiled"], 3)
+    res["ratio_grt_compiled_plain_over_dense_compiled"] = round(t["dense_compiled"] / t["grt_compiled_plain"], 3)
     if cuda:
         res["ratio_grt_compiled_fused_over_dense_compiled"] = round(t["dense_compiled"] / t["grt_compiled_fused"], 3)
+        res["speedup_fused_over_plain_compiled"] = round(t["grt_compiled_plain"] / t["grt_compiled_fused"], 3)
     res["shapes"] = {"d_model": d, "seq_len": S, "batch": B, "grt": "2+2x4+2", "dense": "12L"}
-    res["note"] = "training step (forward + backward), R = 4 fixed, noise on; goal on GPU: GRT >= 0.9x dense"
+    res["note"] = ("training step (forward + backward), R = 4 fixed, noise on; grt_eager: the reference ops; "
+                   "grt_compiled_plain: the gate update and state noise as plain torch ops (torch.randn noise) "
+                   "compiled by inductor; grt_compiled_fused: the Triton gate kernels; goal on GPU: GRT >= 0.9x dense")
     out["d_grt_vs_dense_eager_compiled_fused"] = res
 
 

@@ -21,8 +21,9 @@ False``) plus two other blocks (one prefetched; none when every block is in the 
 dtype, and the step's unsharded fp32 gradients while they are reduce-scattered.
 
 Activations (bytes saved for backward, one micro-batch of B sequences of T tokens, d = d_model, H heads, V vocab;
-a = compute-dtype bytes, s = residual-stream bytes: 4 with fp32 parameters, 2 with bf16 parameters (fsdp/deepspeed
-bf16); in the GRT and Poisson cores the stream is in the compute dtype since it starts as a Linear's output):
+a = compute-dtype bytes, s = residual-stream bytes: 4 on every backend (the stream and the recurrent state stay fp32
+under bf16: one precision for the state whatever the backend); in the GRT and Poisson cores the stream is in the
+compute dtype since it starts as a Linear's output):
 
     pre-LN block          2 s BTd (LN inputs) + 14 a BTd (LN outputs, qkv 3, attention out, MLP 4 + 4)
                           + 4 (4BT LN statistics + BHT attention log-sum-exp)
@@ -421,10 +422,11 @@ class Estimate:
 
 
 def estimate(model_cfg, pc: ParamCounts, plan: Plan) -> Estimate:
-    """Bytes per rank of ``plan``. The residual stream is in bf16 when the parameters are (FSDP2's bf16
-    param_dtype, DeepSpeed's bf16 engine); autocast alone keeps it fp32."""
+    """Bytes per rank of ``plan``. The residual stream and the recurrent state are fp32 on every backend (FSDP2
+    gathers blocks in bf16 without casting their inputs, the embedding's output is at least fp32 under autocast), so
+    only the matmul-side tensors take the compute dtype."""
     a = 2 if plan.bf16 else 4
-    s = 2 if plan.bf16 and plan.backend in ("fsdp", "deepspeed") else 4
+    s = 4
     return Estimate(plan, model_state_bytes(pc, plan.backend, plan.zero_stage, plan.world, plan.bf16),
                     activation_bytes(model_cfg, plan.micro_batch, plan.checkpointing, a, s))
 

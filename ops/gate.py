@@ -52,8 +52,11 @@ def use_triton(t: Tensor) -> bool:
     return t.is_cuda and _triton_available()
 
 
+@torch.compiler.disable  # traced, the draw would be inductor's randint: a C++ CPU kernel, needing a host compiler
 def new_seed() -> Tensor:
-    """A seed for one op call, drawn from torch's global generator (so a manual_seed makes runs repeatable)."""
+    """A seed for one op call, drawn from torch's global generator (so a manual_seed makes runs repeatable). Draw it
+    in eager code and pass it into compiled code; called inside a compiled function it runs eagerly, at the cost
+    of a graph break."""
     return torch.randint(0, 2**31 - 1, (), dtype=torch.int64)
 
 

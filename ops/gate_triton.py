@@ -8,7 +8,11 @@ backward kernel draws the same eps_g again from the same seed, recomputes g from
 
     dh = g * dy,   do = (1 - g) * dy,   dz = dy * (h - o) * g * (1 - g) / tau
 
-Inputs may be float32 or bfloat16 (math in float32), any shape, contiguous; outputs take the inputs' dtype.
+Inputs may be float32 or bfloat16 (math in float32), each its own (autocast hands z and o in bf16 with h in float32),
+any shape, contiguous; each output takes the dtype of the input it belongs to (y and dh: h's, dz: z's, do: o's).
+
+``seed`` is not specialised on (``do_not_specialize``): Triton would otherwise build a kernel per class of seed value
+(seed == 1, seed % 16 == 0, any other), so a run's first few seeds would each stall on a compile.
 """
 from __future__ import annotations
 
@@ -19,7 +23,7 @@ import triton.language as tl
 BLOCK = 1024
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["seed"])
 def _gate_fwd(z_ptr, h_ptr, o_ptr, y_ptr, n, inv_tau, sigma, seed, BLOCK: tl.constexpr, NOISE: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
@@ -33,7 +37,7 @@ def _gate_fwd(z_ptr, h_ptr, o_ptr, y_ptr, n, inv_tau, sigma, seed, BLOCK: tl.con
     tl.store(y_ptr + offs, (o + g * (h - o)).to(y_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["seed"])
 def _gate_bwd(dy_ptr, z_ptr, h_ptr, o_ptr, dz_ptr, dh_ptr, do_ptr, n, inv_tau, sigma, seed, BLOCK: tl.constexpr,
               NOISE: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -51,7 +55,7 @@ def _gate_bwd(dy_ptr, z_ptr, h_ptr, o_ptr, dz_ptr, dh_ptr, do_ptr, n, inv_tau, s
     tl.store(dz_ptr + offs, (dy * (h - o) * g * (1.0 - g) * inv_tau).to(dz_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["seed"])
 def _add_noise(h_ptr, y_ptr, n, sigma, seed, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n

@@ -83,6 +83,23 @@ def subprocess_env(**extra) -> dict:
     return {**e, **extra}
 
 
+def load_bench(name: str, as_name: str | None = None):
+    """A script of bench/ as a module (bench/ is scripts, not a package), once per test session, under ``as_name``
+    (default its own name; e.g. bench/train.py as "bench_train", not to shadow another "train"), with
+    bench/_bootstrap loaded first as the benches' own `import _bootstrap` expects."""
+    import importlib.util
+    import sys
+
+    for file, mod_name in (("_bootstrap", "_bootstrap"), (name, as_name or name)):
+        if mod_name not in sys.modules:
+            spec = importlib.util.spec_from_file_location(mod_name, Path(__file__).resolve().parents[1] / "bench" /
+                                                          f"{file}.py")
+            mod = importlib.util.module_from_spec(spec)
+            sys.modules[mod_name] = mod
+            spec.loader.exec_module(mod)
+    return sys.modules[as_name or name]
+
+
 def free_port() -> int:
     """A TCP port nobody listens on, for a launched job's rendezvous or a server: random in 20000..32767 (below
     Linux's ephemeral range, so no outgoing connection takes it meanwhile), checked by binding it. A fixed port

@@ -2,7 +2,6 @@
 from the blocks' parameter equation, KV bytes from the issue's layer-count formula (2 tensors x B x positions x d per
 layer cache: n_pre + n_core R + n_coda for ``full``, n_pre + n_core + n_coda for the compact strategies, n_layer for
 the dense model), and every ratio recomputed from the measured numbers it reports."""
-import importlib.util
 import json
 import subprocess
 import sys
@@ -11,22 +10,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import load_bench
+
 BENCH = Path(__file__).resolve().parents[1] / "bench"
 D, H, V = 32, 2, 64
 
 
-def load(name: str):
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-load("_bootstrap")  # what `import _bootstrap` in the bench finds
-decode = load("decode")
+decode = load_bench("decode")
 
 SIZES = decode.Sizes("tiny", widths={"medium": (D, H), "large": (D, H)}, batch=2, prompt=6, new_tokens=3,
                      t4_batches=(1, 3), t4_positions=12, t4_decode=2, vocab_size=V)

@@ -1,6 +1,9 @@
 """The fast GRT step against the plain formulation: the exact algebraic savings (forward and backward), the Triton
-gate kernels under TRITON_INTERPRET=1 (CPU), the torch.library ops, and torch.compile without recompiles."""
+gate kernels under TRITON_INTERPRET=1 (CPU; also tests/test_gpu.py's checks on tiny shapes), a kernel build per seed
+never, the torch.library ops, and torch.compile without recompiles and without a seed drawn inside the step."""
 import copy
+import re
+import shutil
 
 import pytest
 import torch
@@ -9,8 +12,10 @@ import ops
 from ops import gate as gate_ops
 from pipeline.config import GRTConfig
 from pipeline.model import build_model
+from pipeline.model.grt import RecurrentStep
 from pipeline.train.parallelize import apply_compile, compile_targets
 
+from test_gpu import SEED_CLASSES, check_gate_noise_forward_backward, check_state_noise_kernel
 from test_model import block, embed, grt_step, head_loss
 
 triton = pytest.importorskip("triton")
@@ -183,3 +188,132 @@ def test_compile_has_no_recompiles_across_depths():
         counts.append(len(graphs))
     assert counts[1] == counts[-1], counts  # after r = 1 and 2 (first step, later steps) nothing new is compiled
     torch._dynamo.reset()
+
+
+# ------------------------------------------------------------- the GPU checks, on tiny shapes in Triton's interpreter
+def test_state_noise_kernel_interpreted():
+    check_state_noise_kernel("cpu", 1 << 14)
+
+
+def test_gate_noise_forward_backward_and_mixed_dtypes_interpreted():
+    check_gate_noise_forward_backward("cpu", [(3, 37, 11), (1025,), (0, 4)])
+
+
+def specialisations(kernel, args: tuple, seeds, constexprs: dict, do_not_specialize=None) -> set:
+    """The specialisation keys Triton's launcher computes for ``kernel(*args, seed)`` at each seed, as it would on
+    an sm_90 GPU (Triton's own binder, no GPU needed): one key is one kernel build. ``do_not_specialize``: what
+    the kernel declares when None."""
+    jit = pytest.importorskip("triton.runtime.jit")
+    nvidia = pytest.importorskip("triton.backends.nvidia.compiler")
+    from triton.backends.compiler import GPUTarget
+
+    if not hasattr(jit, "create_function_from_signature"):
+        pytest.skip("this Triton has no create_function_from_signature; test_gpu.py counts real builds on CUDA")
+    if do_not_specialize is None:  # a JITFunction keeps it, the interpreter's wrapper in its kwargs
+        do_not_specialize = getattr(kernel, "do_not_specialize", None) or kernel.kwargs["do_not_specialize"]
+    registry = dict(jit._triton_jit_function_registry)
+    try:
+        fn = jit.JITFunction(kernel.fn, do_not_specialize=do_not_specialize)
+    finally:  # a JITFunction registers itself under the kernel's name: keep the real kernel's entry
+        jit._triton_jit_function_registry.clear()
+        jit._triton_jit_function_registry.update(registry)
+    binder = jit.create_function_from_signature(fn.signature, fn.params, nvidia.CUDABackend(GPUTarget("cuda", 90, 32)))
+    return {str(binder(*args, s, **constexprs, debug=False)[1]) for s in seeds}
+
+
+def test_a_new_seed_never_needs_a_new_kernel_build():
+    from ops import gate_triton as gt
+
+    t = torch.zeros(4096)
+    cases = {"gate forward": (gt._gate_fwd, (t, t, t, t, 4096, 1.0, 0.1), dict(BLOCK=1024, NOISE=True)),
+             "gate backward": (gt._gate_bwd, (t,) * 7 + (4096, 1.0, 0.1), dict(BLOCK=1024, NOISE=True)),
+             "state noise": (gt._add_noise, (t, t, 4096, 0.1), dict(BLOCK=1024))}
+    for name, (kernel, args, constexprs) in cases.items():
+        assert len(specialisations(kernel, args, SEED_CLASSES, constexprs)) == 1, name
+        # the control: without do_not_specialize these seeds need three builds (seed == 1, % 16 == 0, others)
+        assert len(specialisations(kernel, args, SEED_CLASSES, constexprs, do_not_specialize=[])) == 3, name
+
+
+def noisy_step():
+    torch.manual_seed(0)
+    cfg = GRTConfig(vocab_size=97, block_size=8, d_model=16, n_head=2, n_prelude=1, n_core=1, n_coda=1,
+                    n_recurrence=2, sigma_x=0.1, sigma_g=0.1)
+    return RecurrentStep(cfg)
+
+
+def test_compiled_step_takes_its_seeds_and_draws_none():
+    """The step compiled whole (fullgraph: no graph break), training mode: no random op in its forward or backward
+    ATen graphs (a seed drawn inside becomes inductor's randint, a C++ CPU kernel needing a host compiler on the GPU
+    machine), and the noise it adds is the one eager draws from the same global RNG state."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    graphs = []
+
+    def keep(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    step = noisy_step().train()
+    compiled = torch.compile(step, backend=aot_autograd(fw_compiler=keep, bw_compiler=keep), fullgraph=True)
+    h, h_pre = torch.randn(2, 8, 16), torch.randn(2, 8, 16)
+    results = []
+    for fn in (compiled, step):
+        torch.manual_seed(7)
+        hh = h.clone().requires_grad_()
+        out, _, _ = fn(hh, h_pre, True, seeds=step.draw_seeds(True))
+        out.sum().backward()
+        results.append((out.detach(), hh.grad))
+    torch._dynamo.reset()
+    assert len(graphs) == 2, f"expected one forward and one backward graph, got {len(graphs)}"
+    random_ops = [str(n.target) for g in graphs for n in g.graph.nodes
+                  if any(w in str(n.target) for w in ("rand", "bernoulli", "seed"))]
+    assert not random_ops, f"random ops inside the compiled step: {random_ops}"
+    ops_used = {str(n.target) for g in graphs for n in g.graph.nodes}
+    assert {"grt.state_noise.default", "grt.gate_update.default"} <= ops_used, ops_used  # the noise is there
+    for got, want in zip(*results):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    torch.manual_seed(7)
+    clean, _, _ = step(h, h_pre, False)
+    assert (results[1][0] - clean).abs().max() > 1e-3  # and the noise changed the state
+
+
+@pytest.mark.slow  # ~25 s with a cold inductor cache: six C++ kernels to build
+@pytest.mark.skipif(not (shutil.which("g++") or shutil.which("c++")), reason="inductor on a CPU needs a C++ compiler")
+def test_inductor_generates_no_seed_kernel_for_the_step():
+    """The symptom itself: inductor's code for the compiled step (noise on) has no randint kernel. Here on a CPU
+    every kernel is C++; on CUDA the seed's would be the only one (tests/test_gpu.py checks there is none)."""
+    from torch._inductor import config as inductor_config
+    from torch._inductor.utils import run_and_get_code
+
+    torch._dynamo.reset()
+    step = noisy_step().train()
+    compiled = torch.compile(step, backend="inductor", fullgraph=True)
+    # one compile thread: a worker pool costs more to start on 2 busy cores than the few kernels take to build
+    with torch.no_grad(), inductor_config.patch(compile_threads=1):
+        _, code = run_and_get_code(compiled, torch.randn(1, 8, 16), torch.randn(1, 8, 16), True,
+                                   seeds=step.draw_seeds(True))
+    torch._dynamo.reset()
+    kernels = set(re.findall(r"cpp_fused\w*", "\n".join(code)))
+    assert kernels, "no generated kernels captured"
+    assert not any("randint" in c for c in code), sorted(kernels)
+
+
+@pytest.mark.parametrize("kw, per_step", [({}, 2), ({"sigma_x": 0.0}, 1), ({"state_noise": "init"}, 1),
+                                          ({"gate": "none"}, 1), ({"sigma_g": 0.0}, 2)])
+def test_the_loop_draws_the_seeds_training_always_drew(kw, per_step, monkeypatch):
+    """Training draws per step eps_x's seed (every_step, sigma_x > 0), then eps_g's (any gate, even at sigma_g = 0),
+    all in the eager loop; evaluation draws none and leaves the global RNG as it was."""
+    import pipeline.model.grt as grt
+
+    cfg = GRTConfig(vocab_size=97, block_size=16, d_model=32, n_head=4, n_prelude=1, n_core=1, n_coda=1,
+                    n_recurrence=3, **{"sigma_x": 0.1, "sigma_g": 0.1, **kw})
+    m = build_model(cfg)
+    calls = []
+    monkeypatch.setattr(grt, "new_seed", lambda: calls.append(1) or torch.tensor(len(calls)))
+    idx = torch.randint(0, 97, (2, 16))
+    m.train()(idx, idx, n_steps=3)
+    assert len(calls) == 3 * per_step
+    state = torch.get_rng_state()
+    m.eval()(idx, idx, n_steps=3)
+    assert len(calls) == 3 * per_step and torch.equal(torch.get_rng_state(), state)

@@ -1,6 +1,10 @@
-"""CUDA checks: the Triton gate kernels on a real GPU against the reference (float32 and bfloat16), and compiled +
-fused training against eager. Skipped without CUDA. Importable without pytest, so that `make gpu-check`
-(bench/gpu_check.py) runs them on a GPU image that has torch and triton only."""
+"""CUDA checks: the Triton gate kernels on a real GPU against the reference (float32, bfloat16 and the mixed dtypes
+autocast hands them), their noise (state noise and gate noise, forward and backward) against the formula with the
+same draws, kernel builds per seed, and compiled + fused training against eager. Skipped without CUDA. Importable
+without pytest, so that `make gpu-check` (bench/gpu_check.py) runs them on a GPU image that has torch and triton only.
+
+The ``check_*`` functions take the device and the sizes: tests/test_fast_step.py runs them on tiny shapes under
+Triton's interpreter on a CPU, so the normal suite exercises the same checks."""
 import copy
 
 import torch
@@ -14,18 +18,138 @@ try:
 except ImportError:  # bench/gpu_check.py calls the functions directly
     pass
 
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the checks below need triton; pytest reports their import error where they run
+    triton = None
 
-def _fwd_bwd(backend, z, h, o, dy, sigma, seed):
+if triton is not None:
+    @triton.jit
+    def _normal_kernel(y_ptr, n, seed, BLOCK: tl.constexpr):
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        tl.store(y_ptr + offs, tl.randn(seed, offs), mask=offs < n)
+
+
+def philox_normal(seed: int, shape, device) -> torch.Tensor:
+    """N(0, 1) at (seed, flat element index), as ``tl.randn`` draws it, in float64: the noise the kernels say they
+    add. A kernel of its own (another block size), so a kernel that read other indices or seeds would not match."""
+    n = torch.Size(shape).numel()
+    y = torch.empty(n, device=device)
+    if n:
+        _normal_kernel[(triton.cdiv(n, 512),)](y, n, seed, BLOCK=512)
+    return y.view(shape).double()
+
+
+def _fwd_bwd(backend, z, h, o, dy, sigma, seed, inv_tau=1 / 0.7):
     gate_ops.set_backend(backend)
     try:
         zz, hh, oo = (t.detach().clone().requires_grad_() for t in (z, h, o))
-        y = gate_ops.gate_update(zz, hh, oo, 1 / 0.7, sigma, seed)
+        y = gate_ops.gate_update(zz, hh, oo, inv_tau, sigma, seed)
         y.backward(dy)
         return y.detach(), zz.grad, hh.grad, oo.grad
     finally:
         gate_ops.set_backend("auto")
 
 
+def gate_by_hand(z, h, o, dy, inv_tau, eps_g):
+    """(y, dz, dh, do) of y = o + g (h - o), g = sigmoid(z inv_tau + eps_g), in float64."""
+    z, h, o, dy = (t.double() for t in (z, h, o, dy))
+    g = torch.sigmoid(z * inv_tau + eps_g)
+    return o + g * (h - o), dy * (h - o) * g * (1 - g) * inv_tau, g * dy, (1 - g) * dy
+
+
+def _tol(t):
+    return dict(rtol=2e-2, atol=2e-2) if t.dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------------ the checks
+def check_state_noise_kernel(device, n: int, seed: int = 12345, sigma: float = 0.3) -> None:
+    """grt::state_noise on the kernel: x = h + sigma * eps with eps the Philox draws at (seed, index), float32 and
+    bfloat16 out; eps ~ N(0, 1) by its moments and two-sided tails; d x / d h = identity."""
+    torch.manual_seed(0)
+    eps = philox_normal(seed, (n,), device)
+    for dtype in (torch.float32, torch.bfloat16):
+        h = torch.randn(n, device=device).to(dtype).requires_grad_()
+        gate_ops.set_backend("triton")
+        try:
+            x = gate_ops.state_noise(h, sigma, torch.tensor(seed))
+            dy = torch.randn_like(x)
+            x.backward(dy)
+        finally:
+            gate_ops.set_backend("auto")
+        assert x.dtype == dtype and h.grad.dtype == dtype
+        want = h.detach().double() + sigma * eps
+        torch.testing.assert_close(x.double(), want, **_tol(x))
+        assert torch.equal(h.grad, dy)
+    # the draws themselves: N(0, 1) (standard errors at n: mean 1/sqrt(n), variance sqrt(2/n), tail p(1-p)/n)
+    e = eps.flatten()
+    k = 6.0 / n ** 0.5
+    assert abs(e.mean().item()) < k and abs(e.var().item() - 1) < k * 1.5, (e.mean().item(), e.var().item())
+    for t, p in ((1.0, 0.317311), (2.0, 0.045500)):  # P(|N(0,1)| > t)
+        frac = (e.abs() > t).double().mean().item()
+        assert abs(frac - p) < 6 * (p * (1 - p) / n) ** 0.5, (t, frac)
+    # neighbouring indices and neighbouring seeds are uncorrelated
+    assert abs((e[1:] * e[:-1]).mean().item()) < k
+    assert abs((philox_normal(seed + 1, (n,), device).flatten() * e).mean().item()) < k
+
+
+def check_gate_noise_forward_backward(device, shapes, sigma: float = 0.8, seed: int = 77,
+                                      dtypes=((torch.float32,) * 3, (torch.bfloat16,) * 3,
+                                              (torch.bfloat16, torch.float32, torch.bfloat16))) -> None:
+    """grt::gate_update on the kernel with noise on, forward and backward, for each (z, h, o) dtype triple (the
+    last is autocast's: z and o bf16 from Linear and the blocks, h float32): equal to the formula by hand with the
+    Philox draws at (seed, index), each output in its own input's dtype. The backward is right only if it redraws
+    the forward's noise."""
+    inv_tau = 1 / 0.7
+    for shape in shapes:
+        eps = sigma * philox_normal(seed, shape, device)
+        for zt, ht, ot in dtypes:
+            torch.manual_seed(1)
+            z, h, o, dy = (torch.randn(shape, device=device) for _ in range(4))
+            z, h, o, dy = z.to(zt), h.to(ht), o.to(ot), dy.to(ht)
+            with torch.autocast(torch.device(device).type, dtype=torch.bfloat16):  # as in training
+                got = _fwd_bwd("triton", z, h, o, dy, sigma, torch.tensor(seed), inv_tau)
+            want = gate_by_hand(z, h, o, dy, inv_tau, eps)
+            for name, a, b, dt in zip(("y", "dz", "dh", "do"), got, want, (ht, zt, ht, ot)):
+                assert a.dtype == dt and a.shape == torch.Size(shape), (name, a.dtype, dt)
+                torch.testing.assert_close(a.double(), b, **_tol(a), msg=f"{name} {shape} {(zt, ht, ot)}")
+    # the reference path takes the same mixed dtypes (its own noise: torch's generator seeded with the seed)
+    shape = shapes[0]
+    z, h, o, dy = (torch.randn(shape, device=device) for _ in range(4))
+    z, o = z.bfloat16(), o.bfloat16()
+    gen = torch.Generator(device=device).manual_seed(seed)
+    eps_ref = sigma * torch.randn(shape, generator=gen, device=device, dtype=torch.float32).double()
+    got = _fwd_bwd("reference", z, h, o, dy, sigma, torch.tensor(seed), inv_tau)
+    for a, b, dt in zip(got, gate_by_hand(z, h, o, dy, inv_tau, eps_ref), (h.dtype, z.dtype, h.dtype, o.dtype)):
+        assert a.dtype == dt
+        torch.testing.assert_close(a.double(), b, **_tol(a))
+
+
+def kernel_builds(fn, seeds) -> list[str]:
+    """The kernels Triton builds while ``fn(seed)`` runs for each seed, after one warm-up call (CUDA only: the
+    interpreter builds nothing)."""
+    from triton import knobs
+
+    fn(int(seeds[0]))
+    torch.cuda.synchronize()
+    built = []
+    old = knobs.runtime.jit_post_compile_hook
+    knobs.runtime.jit_post_compile_hook = lambda *a, **k: built.append(k.get("repr"))
+    try:
+        for s in seeds:
+            fn(int(s))
+        torch.cuda.synchronize()
+    finally:
+        knobs.runtime.jit_post_compile_hook = old
+    return built
+
+
+# Seeds Triton would specialise on without do_not_specialize: == 1 (a constant), % 16 == 0 (aligned), any other
+SEED_CLASSES = (5, 1, 16, 32, 7, 2**31 - 2)
+
+
+# ------------------------------------------------------------------------------------------------- CUDA tests
 def test_cuda_kernels_match_reference():
     for dtype in (torch.float32, torch.bfloat16):
         for shape in ((8, 1024, 1024), (3, 37, 11), (1025,)):
@@ -48,6 +172,25 @@ def test_cuda_noise_moments_and_replay():
     assert abs(eps.mean().item()) < 2e-3 and abs(eps.std().item() - 0.5) < 5e-3
     again = gate_ops.gate_update(z, h, o, 1.0, 0.5, torch.tensor(9))
     assert torch.equal(g, again)
+
+
+def test_cuda_state_noise_kernel():
+    check_state_noise_kernel("cuda", 1 << 22)
+
+
+def test_cuda_gate_noise_forward_backward_and_mixed_dtypes():
+    check_gate_noise_forward_backward("cuda", [(8, 512, 1024), (3, 37, 11), (1025,)])
+
+
+def test_cuda_a_new_seed_builds_no_kernel():
+    from ops import gate_triton
+
+    z, h, o = (torch.randn(4096, device="cuda") for _ in range(3))
+    runs = {"gate forward": lambda s: gate_triton.gate_forward(z, h, o, 0.7, 0.1, s),
+            "gate backward": lambda s: gate_triton.gate_backward(z, z, h, o, 0.7, 0.1, s),
+            "state noise": lambda s: gate_triton.add_noise(h, 0.1, s)}
+    builds = {name: kernel_builds(fn, SEED_CLASSES) for name, fn in runs.items()}
+    assert not any(builds.values()), f"kernels built per new seed: {builds}"
 
 
 def test_cuda_compiled_fused_training_matches_eager():
@@ -75,3 +218,42 @@ def test_cuda_compiled_fused_training_matches_eager():
             losses.append(loss.item())
         gate_ops.set_backend("auto")
         assert abs(losses[0] - losses[1]) < 1e-3 * max(1.0, abs(losses[0])), (step, losses)
+
+
+def test_cuda_compiled_noisy_step_has_no_cpu_kernel_and_matches_eager():
+    """Noise on (sigma_x, sigma_g > 0), the Triton kernels in both: the compiled step takes the seeds the eager
+    loop draws, so it adds exactly eager's noise; and inductor generates no CPU (C++) kernel for it, which would
+    need a host compiler."""
+    from torch._inductor.utils import run_and_get_code
+
+    from pipeline.config import GRTConfig
+    from pipeline.model import build_model
+    from pipeline.train.parallelize import apply_compile
+
+    torch.manual_seed(0)
+    # the shapes of the test above, so that Triton's cache holds most of the kernels inductor generates here
+    cfg = GRTConfig(vocab_size=1024, block_size=128, d_model=256, n_head=4, n_prelude=1, n_core=2, n_coda=1,
+                    n_recurrence=4, sigma_x=0.1, sigma_g=0.1)
+    eager = build_model(cfg).cuda().train()
+    fast = copy.deepcopy(eager)
+    apply_compile(fast)
+    idx = torch.randint(0, 1024, (8, 128), device="cuda")
+    targets = torch.roll(idx, -1, 1)
+
+    def train(m):
+        out = []
+        for r in (1, 2, 3):
+            torch.manual_seed(100 + r)  # the same seeds for both models
+            _, loss = m(idx, targets, n_steps=r)
+            loss.backward()
+            out.append((loss.item(), m.recur.proj.weight.grad.clone()))
+            m.zero_grad(set_to_none=True)
+        return out
+
+    got, code = run_and_get_code(train, fast)
+    assert code and any("triton" in c for c in code), "no generated code captured"
+    cpu = [c for c in code if "cpp_fused" in c or "randint" in c]
+    assert not cpu, "inductor generated a CPU kernel (or a seed draw) in the compiled model:\n" + cpu[0][:3000]
+    for r, ((loss, grad), (want, want_grad)) in enumerate(zip(got, train(eager)), 1):
+        assert abs(loss - want) < 1e-4 * max(1.0, abs(want)), (r, loss, want)
+        torch.testing.assert_close(grad, want_grad, rtol=2e-3, atol=1e-4, msg=f"r={r}")

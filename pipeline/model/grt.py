@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn as nn
@@ -62,6 +63,18 @@ class Gate(nn.Module):
         return self.fc2(F.silu(self.fc1(self.ln_h(h), part="x") + anchor))
 
 
+class StepSeeds(NamedTuple):
+    """One step's noise seeds, 0-dim int64 tensors (see :meth:`RecurrentStep.draw_seeds`); None where that noise
+    is off."""
+    x: torch.Tensor | None = None  # eps_x, the state noise on the projection input
+    g: torch.Tensor | None = None  # eps_g, the noise on the gate logits
+
+
+# The seed handed to the gate op when its noise is off (sigma = 0: nothing is drawn from it). A constant, so that a
+# compiled step builds no tensor for it either.
+_UNUSED_SEED = torch.zeros((), dtype=torch.int64)
+
+
 class RecurrentStep(nn.Module):
     """One application of the shared core with its projection and gate. A module of its own so that activation
     checkpointing and compilation can wrap exactly one recurrence step.
@@ -82,14 +95,26 @@ class RecurrentStep(nn.Module):
         return (self.proj(h_pre, part="a") if self.proj is not None else None,
                 self.gate.anchor_term(h_pre) if self.gate is not None else None)
 
+    def draw_seeds(self, noise: bool) -> StepSeeds:
+        """This step's noise seeds from torch's global RNG: eps_x's (state_noise=every_step, sigma_x > 0), then
+        eps_g's (whenever there is a gate), the draws training has always made in that order, so a seeded run's
+        noise is unchanged; none with noise off. GRT's loops call this in eager code and pass the seeds in: drawn
+        inside the compiled step, a seed becomes inductor's randint, a C++ CPU kernel needing a host compiler on the
+        GPU machine (a step left to draw its own gets a graph break instead: ``new_seed`` is compile-disabled)."""
+        x = new_seed() if noise and self._adds_state_noise() else None
+        return StepSeeds(x, new_seed() if noise and self.gate is not None else None)
+
+    def _adds_state_noise(self) -> bool:
+        return self.cfg.state_noise == "every_step" and self.cfg.sigma_x > 0
+
     def proposal(self, h: torch.Tensor, h_pre: torch.Tensor, noise: bool, cache: KVCacheAtStep | None = None,
-                 anchor: tuple | None = None) -> torch.Tensor:
+                 anchor: tuple | None = None, seeds: StepSeeds | None = None) -> torch.Tensor:
         """o = core(W_proj([h + eps_x, h_pre])): what the step would write with the gate fully open. ``anchor``:
-        :meth:`anchor_terms` of h_pre, computed here when not given."""
-        cfg = self.cfg
+        :meth:`anchor_terms` of h_pre, computed here when not given. ``seeds``: :meth:`draw_seeds`; eps_x's seed
+        is drawn here when not given."""
         x = h
-        if noise and cfg.state_noise == "every_step" and cfg.sigma_x > 0:
-            x = state_noise(h, cfg.sigma_x, new_seed())
+        if noise and self._adds_state_noise():
+            x = state_noise(h, self.cfg.sigma_x, seeds.x if seeds is not None else new_seed())
         if self.proj is not None:
             a = (anchor if anchor is not None else self.anchor_terms(h_pre))[0]
             o = self.proj(x, part="x") + a
@@ -100,28 +125,31 @@ class RecurrentStep(nn.Module):
         return o
 
     def forward(self, h: torch.Tensor, h_pre: torch.Tensor, noise: bool, cache: KVCacheAtStep | None = None,
-                anchor: tuple | None = None, need_gate: bool = False):
+                anchor: tuple | None = None, need_gate: bool = False, seeds: StepSeeds | None = None):
         """(h^(r), g^(r) or None, anchor terms). g is returned only when ``need_gate``; without a gate the state is
-        replaced by the proposal. Pass the returned anchor terms to the next step.
+        replaced by the proposal. Pass the returned anchor terms to the next step. ``seeds``: :meth:`draw_seeds`
+        (noise on); drawn here when not given (in a compiled step, at the cost of a graph break).
 
         ``need_gate`` with ``noise``: g = sigmoid(z / tau + eps_g) and the update in plain PyTorch (the reference op),
-        one seed from the global RNG as training draws, so on CPU (or with the reference ops) the state equals
-        training's; the Triton kernel draws other (equally distributed) noise for the same seed."""
+        with the seed training draws, so on CPU (or with the reference ops) the state equals training's; the Triton
+        kernel draws other (equally distributed) noise for the same seed."""
+        if seeds is None:
+            seeds = self.draw_seeds(noise)
         if anchor is None:
             anchor = self.anchor_terms(h_pre)
-        o = self.proposal(h, h_pre, noise, cache, anchor)
+        o = self.proposal(h, h_pre, noise, cache, anchor, seeds)
         if self.gate is None:
             return o, None, anchor
         z = self.gate(h, anchor[1])
         if need_gate:
             if noise:  # evaluation with the training noise: the same g for the update and the report
-                seed, inv_tau = new_seed(), 1.0 / self.cfg.tau
-                g = gate_reference(z, inv_tau, self.cfg.sigma_g, seed)
-                return gate_update_reference(z, h, o, inv_tau, self.cfg.sigma_g, seed), g, anchor
+                inv_tau = 1.0 / self.cfg.tau
+                g = gate_reference(z, inv_tau, self.cfg.sigma_g, seeds.g)
+                return gate_update_reference(z, h, o, inv_tau, self.cfg.sigma_g, seeds.g), g, anchor
             h_new, g = gated_update(z, h, o, self.cfg.tau)
             return h_new, g, anchor
-        sigma = self.cfg.sigma_g if noise else 0.0
-        return gate_update(z, h, o, 1.0 / self.cfg.tau, sigma, new_seed()), None, anchor
+        sigma, seed = (self.cfg.sigma_g, seeds.g) if noise else (0.0, _UNUSED_SEED)
+        return gate_update(z, h, o, 1.0 / self.cfg.tau, sigma, seed), None, anchor
 
 
 @dataclass
@@ -176,8 +204,8 @@ class GRT(RecurrentLM):
         h_pre = self.encode(idx, start, cache)
         h = self.initial_state(h_pre, noise)
         anchor = None
-        for r in range(n):
-            h, _, anchor = self.recur(h, h_pre, noise, at_step(cache, r), anchor)
+        for r in range(n):  # seeds drawn here, in eager code (see RecurrentStep.draw_seeds)
+            h, _, anchor = self.recur(h, h_pre, noise, at_step(cache, r), anchor, seeds=self.recur.draw_seeds(noise))
         out = self.decode(h, targets, cache)
         if cache is not None:
             cache.advance()
@@ -201,7 +229,8 @@ class GRT(RecurrentLM):
         g = anchor = None
         for r in range(wanted[-1] + 1):
             if r > 0:
-                h, g, anchor = self.recur(h, h_pre, noise, None, anchor, need_gate=need_gate)
+                h, g, anchor = self.recur(h, h_pre, noise, None, anchor, need_gate=need_gate,
+                                          seeds=self.recur.draw_seeds(noise))
             if r in wanted:
                 if g is not None and gates is not None:
                     gates[r] = g.float().mean().item()

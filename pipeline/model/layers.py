@@ -23,7 +23,12 @@ class LayerNorm(nn.Module):
         self.bias = nn.Parameter(torch.zeros(ndim)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.layer_norm(x, self.weight.shape, self.weight, self.bias, 1e-5)
+        w, b = self.weight, self.bias
+        if w.dtype != x.dtype and torch.promote_types(w.dtype, x.dtype) == x.dtype:
+            # bf16 parameters (FSDP2's param_dtype, DeepSpeed's bf16 engine) on the fp32 residual stream: normalise
+            # in fp32 as CUDA autocast does (CPU autocast leaves layer_norm alone and refuses the mixed dtypes)
+            w, b = w.to(x.dtype), None if b is None else b.to(x.dtype)
+        return F.layer_norm(x, w.shape, w, b, 1e-5)
 
 
 class CausalSelfAttention(nn.Module):
@@ -119,7 +124,12 @@ class TokenEmbedding(nn.Module):
         if length > self.block_size:
             raise ValueError(f"sequence length {length} exceeds model.block_size={self.block_size}; "
                              f"shorten the input or raise model.block_size")
-        return self.drop(self.wte(idx) + self.wpe(pos))
+        x = self.wte(idx) + self.wpe(pos)
+        if torch.is_autocast_enabled(x.device.type):
+            # mixed precision: the residual stream (and a recurrent model's state) starts in fp32 whatever dtype the
+            # parameters are held in (DeepSpeed's bf16 engine casts them all to bf16), as under single and DDP
+            x = x.to(torch.promote_types(x.dtype, torch.float32))
+        return self.drop(x)
 
 
 def param_seed(seed: int, name: str) -> int:

@@ -171,7 +171,7 @@ class SequenceLoader:
 
     def __init__(self, shards: TokenShards | list[TokenShards], seq_len: int, micro_batch_size: int, seed: int,
                  rank: int = 0, world_size: int = 1, weights: list[float] | None = None,
-                 vocab_size: int | None = None):
+                 vocab_size: int | None = None, pin_memory: bool = False):
         self.datasets = shards if isinstance(shards, list) else [shards]
         self.weights = [float(w) for w in (weights or [1.0] * len(self.datasets))]
         if len(self.weights) != len(self.datasets):
@@ -185,6 +185,9 @@ class SequenceLoader:
                 raise ValueError(window_problems(d, seq_len, "tokenize more text into it")[0])
         # every window's largest id is checked against this (None: unchecked) before it leaves the loader
         self.limits = None if vocab_size is None else [d.id_limit(vocab_size) for d in self.datasets]
+        # page-locked batches (for a CUDA device): only from pinned memory is a non_blocking copy asynchronous; from
+        # pageable memory the driver may first wait for the work queued on the stream, so the host cannot run ahead
+        self.pin_memory = pin_memory
         self.counts = [0] * len(self.datasets)  # samples consumed over all ranks, per dataset
         self.current = [0.0] * len(self.datasets)  # smooth weighted round-robin state
         self._perm_key, self._perm = None, None
@@ -218,8 +221,9 @@ class SequenceLoader:
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         picks = self.next_indices()
         where = [(self.datasets[k], int(self.index[k][r, 0]), int(self.index[k][r, 1])) for k, r in picks]
-        return _checked_batch([d.window(shard, start, self.seq_len) for d, shard, start in where], where,
+        x, y = _checked_batch([d.window(shard, start, self.seq_len) for d, shard, start in where], where,
                               None if self.limits is None else [self.limits[k] for k, _ in picks])
+        return (x.pin_memory(), y.pin_memory()) if self.pin_memory else (x, y)
 
     @property
     def epoch(self) -> float:

@@ -38,7 +38,7 @@ from pipeline.train.checkpoint import (INDEX, hash_share, list_checkpoints, load
                                        set_aside_names, staging_dir)
 from pipeline.train.data import SequenceLoader, TokenShards, check_shards, check_windows, validation_batches
 from pipeline.train.materialize import build_for_training
-from pipeline.train.mfu import device_peak_flops
+from pipeline.train.mfu import device_peak_flops, peak_flops_report
 from pipeline.train.optim import build_optimizer, lr_at
 from pipeline.train.run_folder import (STOPPED, clear_stopped, cut_metrics_back, lock_run_folder, mark_stopped,
                                        newest_intact_checkpoint, recipe_changes, release_run_folder,
@@ -109,6 +109,8 @@ class Trainer:
         self.backend = build_backend(tc)
         self.device, self.amp_dtype = self.backend.device, self.backend.amp_dtype
         self.peak_flops = device_peak_flops(self.device)
+        if self.device.type == "cuda" and self.backend.is_main:
+            print(peak_flops_report(self.device), flush=True)  # the figure MFU is computed against, or why none
         if tc.grad_accum_steps % self.backend.world_size:
             raise ValueError(f"train.grad_accum_steps={tc.grad_accum_steps} counts micro-batches over all "
                              f"{self.backend.world_size} ranks and must be a multiple of the world size")
@@ -126,7 +128,7 @@ class Trainer:
         self.accum = tc.grad_accum_steps // self.backend.world_size
         self.loader = SequenceLoader(self.train_data, self.seq_len, tc.micro_batch_size, cfg.seed,
                                      self.backend.rank, self.backend.world_size, weights,
-                                     vocab_size=cfg.model.vocab_size)
+                                     vocab_size=cfg.model.vocab_size, pin_memory=self.device.type == "cuda")
         self.tokens_per_step = tc.micro_batch_size * tc.grad_accum_steps * self.seq_len
 
         self.model_cls = model_class(cfg.model.type)
@@ -319,7 +321,11 @@ class Trainer:
         t0 = time.perf_counter()
         lr = lr_at(self.step, tc)
         be.set_lr(self.optimizer, lr)
-        loss_sum, finite = 0.0, True
+        # the micro-steps' losses summed on the device (fp64: the sum a Python float would give), read once per step:
+        # no host sync per micro-step, so the host queues the next micro-batch while the device computes. The sum is
+        # finite exactly when every loss is; a non-finite one still runs its backward (every rank does the same
+        # work), and the step is then dropped or, where the backend cannot drop it, the run stops before the update.
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         depths = self.step_depths()
         for micro, depth in enumerate(depths):
             x, y = self.loader.next_batch()
@@ -331,17 +337,17 @@ class Trainer:
                     _, loss = self.model(x, y, n_steps=depth)
                 if self.step + 1 in FAULT_NAN_STEPS:
                     loss = loss * float("nan")
-                value = loss.item()
-                ok = be.all_true(math.isfinite(value))  # every rank takes the same decision
-                if not ok and not be.can_skip:
-                    last_ckpt = list_checkpoints(self.ckpt_dir)
-                    raise BadStepsError(f"non-finite loss at step {self.step + 1}: the {be.name} backend cannot "
-                                        f"skip a step inside its accumulation window, so the run stops here. Last "
-                                        f"good checkpoint: {last_ckpt[-1] if last_ckpt else 'none'}")
-                if ok:
-                    be.backward(self.model, loss, self.accum, last)
-            finite = finite and ok
-            loss_sum += value
+                be.backward(self.model, loss, self.accum, last)
+            loss_sum += loss.detach()
+        # one read of the sum, one all-reduce: a non-finite loss on any rank makes the mean non-finite on every rank,
+        # so all take the same decision
+        mean_loss = be.reduce_mean(loss_sum.item() / self.accum)
+        finite = math.isfinite(mean_loss)
+        if not finite and not be.can_skip:
+            last_ckpt = list_checkpoints(self.ckpt_dir)
+            raise BadStepsError(f"non-finite loss at step {self.step + 1}: the {be.name} backend cannot skip a step "
+                                f"once its engine has counted the accumulation window, so the run stops here, "
+                                f"before the update. Last good checkpoint: {last_ckpt[-1] if last_ckpt else 'none'}")
         if finite:
             grad_norm = be.step(self.model, self.optimizer)  # non-finite norms: the step is not taken
             finite = math.isfinite(grad_norm) or not be.can_skip
@@ -362,7 +368,7 @@ class Trainer:
         # per micro-step: "depth" is the mean over this rank's micro-steps (the console's r, MLflow's depth) and
         # "depths" (metrics.jsonl) lists them in order; every rank ran the same list
         per_micro = tc.depth_granularity == "micro_step" and depths[0] is not None
-        metrics = {"step": self.step, "loss": be.reduce_mean(loss_sum / self.accum), "grad_norm": grad_norm,
+        metrics = {"step": self.step, "loss": mean_loss, "grad_norm": grad_norm,
                    "lr": lr, "depth": sum(depths) / len(depths) if per_micro else depths[0],
                    "tokens_per_s": self.tokens_per_step / dt, "step_time_s": dt, "mfu": mfu,
                    "flops_per_token": flops, "tokens_seen": self.step * self.tokens_per_step,
