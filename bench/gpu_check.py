@@ -51,8 +51,8 @@ class Phase:
     cap_s: float
 
 
-# On the H200: one command may run 10 minutes and a session has 15 in all, so the check must fit in 8 with room for a
-# rerun. The caps add up to 420 s = 7 min, a minute under the 8 for the parent's own start and the processes' exits
+# On the H200: one command may run 10 minutes and a session has 15 in all (the machine's start counts too), so the
+# check must fit in 8; a second full run does not fit, a partial one (--only) does. The caps add up to 420 s = 7 min, a minute under the 8 for the parent's own start and the processes' exits
 # (each cap already counts its process's torch import). Nobody has timed these phases on a GPU yet: the caps follow
 # the work (compilation by inductor and Triton on a fresh machine, with no cache, is most of every phase; the timed
 # loops take seconds) and each phase's "s" in the JSON is the figure to re-size them by. The tests (the correctness
@@ -218,13 +218,16 @@ def tail(path: Path) -> str:
 
 
 def run_phase(phase: Phase, cap_s: float, work: Path, log, on_poll=None) -> dict:
-    """Run one phase in its own process session under ``cap_s``; on the cap kill the session (the benches' compile
+    """Run one phase in its own process group under ``cap_s``; on the cap kill the group (the benches' compile
     workers too) and report what the phase printed. ``on_poll()`` is called about every second while it runs."""
     out, err = work / f"{phase.name}.out", work / f"{phase.name}.err"
     t0 = time.time()
     with open(out, "w") as fo, open(err, "w") as fe:
-        proc = subprocess.Popen([sys.executable, *phase.argv], cwd=ROOT, stdout=fo, stderr=fe,
-                                start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        # its own process group (killpg reaches the compile workers) but the caller's session: if this parent is
+        # killed (the device tool's own timeout), whoever ends the session ends the phase too, no orphan keeps the GPU
+        group = {"process_group": 0} if sys.version_info >= (3, 11) else {"start_new_session": True}
+        proc = subprocess.Popen([sys.executable, *phase.argv], cwd=ROOT, stdout=fo, stderr=fe, **group,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
         timed_out = False
         try:
             while True:
@@ -240,7 +243,10 @@ def run_phase(phase: Phase, cap_s: float, work: Path, log, on_poll=None) -> dict
         finally:
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+                try:
+                    proc.wait(timeout=30)
+                except subprocess.TimeoutExpired:  # stuck in the driver: the next phases go on without it
+                    print(f"gpu-check: {phase.name} did not exit 30 s after SIGKILL", file=sys.stderr)
     s = round(time.time() - t0, 1)
     log.write(f"===== {phase.name}: {' '.join(phase.argv)} ({s} s, cap {cap_s:g} s)\n{err.read_text(errors='replace')}"
               f"----- stdout\n{out.read_text(errors='replace')}\n")

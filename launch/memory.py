@@ -133,8 +133,10 @@ def model_state_bytes(pc: ParamCounts, backend: str, zero_stage: int, world: int
     if backend in ("single", "ddp"):
         out = {"parameters": 4 * P, "gradients": 4 * P, "optimizer": 8 * P,
                "extra": (2 * pc.matmul if bf16 else 0) + (4 * P if backend == "ddp" else 0)}
-    elif backend == "fsdp":
-        out = {"parameters": 4 * P / N, "gradients": 4 * P / N, "optimizer": 8 * P / N, "extra": gathered}
+    elif backend == "fsdp":  # the root (embeddings, tied head, final LN) is gathered in fp32 (one precision for the
+        # stream), plus the fused head's transient compute-dtype copy of the tied weight under bf16
+        root = pc.embed * (4 - c) + (2 * pc.embed if bf16 else 0)
+        out = {"parameters": 4 * P / N, "gradients": 4 * P / N, "optimizer": 8 * P / N, "extra": gathered + root}
     elif zero_stage == 0:
         out = {"parameters": c * P, "gradients": c * P, "optimizer": 2 * c * P, "extra": 0}
     else:

@@ -57,7 +57,7 @@ def new_seed() -> Tensor:
     """A seed for one op call, drawn from torch's global generator (so a manual_seed makes runs repeatable). Draw it
     in eager code and pass it into compiled code; called inside a compiled function it runs eagerly, at the cost
     of a graph break."""
-    return torch.randint(0, 2**31 - 1, (), dtype=torch.int64)
+    return torch.randint(0, 2**31 - 1, (), dtype=torch.int64, device="cpu")  # whatever torch.device() is in force
 
 
 def _noise(shape, seed: Tensor, device, sigma: float, dtype: torch.dtype) -> Tensor:

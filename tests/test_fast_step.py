@@ -4,6 +4,9 @@ never, the torch.library ops, and torch.compile without recompiles and without a
 import copy
 import re
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -317,3 +320,27 @@ def test_the_loop_draws_the_seeds_training_always_drew(kw, per_step, monkeypatch
     state = torch.get_rng_state()
     m.eval()(idx, idx, n_steps=3)
     assert len(calls) == 3 * per_step and torch.equal(torch.get_rng_state(), state)
+
+
+def test_a_model_built_on_meta_first_still_computes():
+    """grt.py first imported under `torch.device("meta")` (build_model on meta counts parameters: preflight, the
+    checkpoint's tied names) must not leave its noise-off seed on meta, which would send every later forward to the
+    op's fake kernel: the logits equal the plain-PyTorch trace of the same steps."""
+    code = """
+import torch
+from pipeline.config import GRTConfig
+from pipeline.model import build_model
+from pipeline.eval.dynamics import trace_steps
+cfg = GRTConfig(vocab_size=64, block_size=16, d_model=32, n_head=2, n_prelude=1, n_core=1, n_coda=1, n_recurrence=3)
+build_model(cfg, device="meta")
+m = build_model(cfg).eval()
+idx = torch.randint(0, 64, (2, 16))
+with torch.no_grad():
+    got = m(idx)[0]
+    h = [s for *_, s in trace_steps(m, idx, 3)][-1]
+    want = m.lm_head(m.readout(h))
+print(torch.allclose(got, want, atol=1e-5), bool(torch.isfinite(got).all()))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         cwd=Path(__file__).resolve().parents[1])
+    assert out.stdout.split() == ["True", "True"], out.stdout + out.stderr[-2000:]

@@ -72,7 +72,9 @@ class StepSeeds(NamedTuple):
 
 # The seed handed to the gate op when its noise is off (sigma = 0: nothing is drawn from it). A constant, so that a
 # compiled step builds no tensor for it either.
-_UNUSED_SEED = torch.zeros((), dtype=torch.int64)
+_UNUSED_SEED = torch.zeros((), dtype=torch.int64, device="cpu")  # explicit: this module may be first imported
+# inside a `with torch.device("meta")` (build_model on meta), where a meta seed would send every noise-off forward to
+# the op's fake kernel
 
 
 class RecurrentStep(nn.Module):
@@ -98,7 +100,8 @@ class RecurrentStep(nn.Module):
     def draw_seeds(self, noise: bool) -> StepSeeds:
         """This step's noise seeds from torch's global RNG: eps_x's (state_noise=every_step, sigma_x > 0), then
         eps_g's (whenever there is a gate), the draws training has always made in that order, so a seeded run's
-        noise is unchanged; none with noise off. GRT's loops call this in eager code and pass the seeds in: drawn
+        noise is unchanged (on a CPU with dropout the step's dropout masks now follow both seeds instead of falling
+        between them); none with noise off. GRT's loops call this in eager code and pass the seeds in: drawn
         inside the compiled step, a seed becomes inductor's randint, a C++ CPU kernel needing a host compiler on the
         GPU machine (a step left to draw its own gets a graph break instead: ``new_seed`` is compile-disabled)."""
         x = new_seed() if noise and self._adds_state_noise() else None
