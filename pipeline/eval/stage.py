@@ -148,7 +148,6 @@ def evaluate(path: str | Path, overrides: list[str] | None = None, quiet: bool =
     if report:
         result["method"] = report
     if ev.diagnostics:
-        torch.manual_seed(cfg.seed)
         base_model, note = baseline_model(cfg, baseline, device)
         result["diagnostics"] = run_analyses(model, cfg, curve, batches, n_max, ref, device, base_model, note)
         del base_model
