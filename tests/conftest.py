@@ -153,3 +153,21 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+def step_values(run_dir: Path, key: str) -> dict[int, float]:
+    """Per-step values of one training metric (``grad_norm``, ``depth``, ...) from metrics.jsonl; for a resumed run,
+    the last time each step was logged. A step row without the key fails (KeyError): no metric is skipped silently."""
+    out = {}
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        if "loss" in row:
+            out[row["step"]] = row[key]
+    return out
+
+
+def printed_steps(stdout: str) -> list[int]:
+    """The steps whose console line (``step  9/20 | loss ...``) a run printed, in order."""
+    import re
+
+    return [int(m.group(1)) for m in re.finditer(r"^step\s+(\d+)/\d+ \| loss ", stdout, re.MULTILINE)]

@@ -1,8 +1,11 @@
 """Distributed training on this CPU: 2 processes over gloo, launched with torchrun exactly as a user would.
 
-- equivalence: with the same global batch, ddp, fsdp and DeepSpeed ZeRO 1/2/3 give the losses of one process;
-- exact resume: SIGKILL between checkpoints, start again, the per-step losses after the last checkpoint are equal
-  to an uninterrupted run's, for single, ddp, fsdp and ZeRO 1 and 3;
+- equivalence: with the same global batch, ddp, fsdp (with and without activation checkpointing, which is checked to
+  recompute every recurrence step) and DeepSpeed ZeRO 1/2/3 give the losses, gradient norms and final weights of one
+  process;
+- exact resume: SIGKILL between checkpoints, start again: the second run says it resumed at the checkpoint and trains
+  only the steps after it, with per-step losses equal to an uninterrupted run's, for single, ddp, fsdp (also with
+  activation checkpointing) and ZeRO 1, 2 and 3; a ddp checkpoint resumes under fsdp, ZeRO-1 on another world size;
 - SIGTERM and SIGINT save and exit 143 / 130, and the run resumes exactly; a dying rank makes the other fail within the collective timeout.
 """
 from __future__ import annotations
@@ -16,9 +19,9 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
-
-from conftest import free_port, launched_recipe, step_losses, subprocess_env
+from conftest import free_port, launched_recipe, printed_steps, step_losses, step_values, subprocess_env
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS, CKPT_EVERY, KILL_AFTER = 20, 8, 11  # kill once step 11 is logged: 3 steps past the checkpoint at 8
@@ -43,8 +46,14 @@ def setup(tmp_path_factory):
     return tmp, path
 
 
-def command(backend: str, recipe: Path, name: str) -> list[str]:
-    args = ["-m", "pipeline.cli", "train", str(recipe), f"name={name}", *BACKENDS[backend]]
+COUNTED = ("fsdp", "fsdp_ckpt")  # launched through tests/forward_count_worker.py: recurrence steps counted
+
+
+def command(backend: str, recipe: Path, name: str, count_forwards: bool = False) -> list[str]:
+    """`grt train` (with ``count_forwards``, the same command through tests/forward_count_worker.py) for ``backend``:
+    one process for single, torchrun with 2 processes otherwise."""
+    entry = [str(REPO / "tests" / "forward_count_worker.py")] if count_forwards else ["-m", "pipeline.cli"]
+    args = [*entry, "train", str(recipe), f"name={name}", *BACKENDS[backend]]
     if backend == "single":
         return [sys.executable, *args]
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
@@ -52,34 +61,94 @@ def command(backend: str, recipe: Path, name: str) -> list[str]:
     return torchrun + args
 
 
-
-
-
-
-def run(backend: str, recipe: Path, name: str, timeout: int = 600) -> None:
-    p = subprocess.run(command(backend, recipe, name), cwd=REPO, env=subprocess_env(), capture_output=True, text=True,
-                       timeout=timeout)
+def run(backend: str, recipe: Path, name: str, timeout: int = 600, count_forwards: bool = False,
+        **env: str) -> subprocess.CompletedProcess:
+    p = subprocess.run(command(backend, recipe, name, count_forwards), cwd=REPO, env=subprocess_env(**env),
+                       capture_output=True, text=True, timeout=timeout)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    return p
+
+
+def where(backend: str) -> str:
+    """How the start-up line names the backend and world size: ``fsdp x2``, ``deepspeed x2``, ``single x1``."""
+    name = next(o.split("=")[1] for o in BACKENDS[backend] if o.startswith("train.backend="))
+    return f"{name} x{1 if backend == 'single' else 2}"
+
+
+def assert_resumed(p: subprocess.CompletedProcess, step: int, backend: str) -> None:
+    """The run started from the checkpoint of ``step`` (its start-up line says so) and trained exactly the steps
+    after it: a run that silently started over trains 1..STEPS and, being deterministic, logs the same losses."""
+    assert f"resumed at step {step} on {where(backend)} " in p.stdout, p.stdout[-3000:]
+    assert printed_steps(p.stdout) == list(range(step + 1, STEPS + 1)), p.stdout[-3000:]
 
 
 @pytest.fixture(scope="module")
 def uninterrupted(setup):
     tmp, recipe = setup
     for backend in BACKENDS:
-        run(backend, recipe, f"full-{backend}")
+        env = {}
+        if backend in COUNTED:
+            env["GRT_TEST_FORWARDS_DIR"] = str(tmp / f"forwards-{backend}")
+            (tmp / f"forwards-{backend}").mkdir()
+        run(backend, recipe, f"full-{backend}", count_forwards=backend in COUNTED, **env)
     return {b: step_losses(tmp / "runs" / f"full-{b}") for b in BACKENDS}
 
 
+@pytest.fixture(scope="module")
+def final_weights(setup, uninterrupted):
+    """The weights of each backend's last checkpoint, read the way `grt eval` reads them (any format: full, DCP
+    shards, DeepSpeed ZeRO files)."""
+    from pipeline.eval.stage import load_trained
+
+    tmp, _ = setup
+    return {b: load_trained(tmp / "runs" / f"full-{b}", device="cpu")[0].state_dict() for b in BACKENDS}
+
+
 @pytest.mark.parametrize("backend", ["ddp", "fsdp", "fsdp_ckpt", "zero1", "zero2", "zero3"])
-def test_same_losses_as_one_process(uninterrupted, backend):
-    """Same global batch, same samples, same depths, same noise: only the reduction order differs (fp32)."""
+def test_same_losses_grad_norms_and_weights_as_one_process(setup, uninterrupted, final_weights, backend):
+    """Same global batch, same samples, same depths, same noise: only the reduction order differs (fp32). The losses
+    alone miss a wrong gradient scale: AdamW divides it out, and every step here is clipped to norm 1 (the norms are
+    1.1-1.8), so gradients summed over the ranks instead of averaged (doubled) give the same updates and all 20
+    losses within 1e-5 (tried). So the gradient norm before clipping is compared at every step too (doubled: relative
+    error 1), and the final weights, read from each backend's last checkpoint as `grt eval` reads them.
+
+    Tolerances, measured here (fp32 sums in another order; a run repeats bit for bit): grad norms at step 1, from the
+    same initial weights, within 3e-6 relative; then the weights drift apart (AdamW's normalised step magnifies the
+    relative error of tiny gradient entries) and the norms with them, at most 2e-7 (ddp), 1.2e-4 (fsdp) and 2.6e-4
+    (ZeRO) by step 20: 1e-3 leaves 4x. Final weights: at most 2e-6 apart (ZeRO; ddp 5e-7), ~1/500 of one step's
+    update (lr 1e-3): 1e-5 absolute."""
+    tmp, _ = setup
     single, other = uninterrupted["single"], uninterrupted[backend]
     assert sorted(other) == list(range(1, STEPS + 1))
     for step in range(1, STEPS + 1):
         assert other[step] == pytest.approx(single[step], rel=1e-5, abs=1e-5), step
+    norms = {b: step_values(tmp / "runs" / f"full-{b}", "grad_norm") for b in ("single", backend)}
+    assert sorted(norms[backend]) == list(range(1, STEPS + 1))
+    for step in range(1, STEPS + 1):
+        assert norms[backend][step] == pytest.approx(norms["single"][step], rel=1e-3), step
+    ref, got = final_weights["single"], final_weights[backend]
+    assert set(got) == set(ref)
+    for name, t in ref.items():
+        assert torch.allclose(got[name], t, rtol=0, atol=1e-5), (name, (got[name] - t).abs().max().item())
 
 
-@pytest.mark.parametrize("backend", ["single", "ddp", "fsdp", "zero1", "zero3"])
+def test_activation_checkpointing_recomputes_each_recurrence_step_under_fsdp(setup, uninterrupted):
+    """fsdp with ``activation_checkpointing=core_step`` gives the losses of one process (above), and so would a
+    checkpointing that does nothing: here each use of the recurrence step runs its forward twice with it (the
+    forward, then the recomputation in backward) and once without. Reference: the depth r each step logged, times
+    this rank's micro-batches per step (grad_accum_steps 4 over 2 ranks); validation runs without autograd and is not
+    counted."""
+    tmp, _ = setup
+    depths = step_values(tmp / "runs" / "full-fsdp", "depth")
+    assert sorted(depths) == list(range(1, STEPS + 1))
+    assert step_values(tmp / "runs" / "full-fsdp_ckpt", "depth") == depths
+    uses = sum(depths.values()) * 4 // 2
+    for backend, per_use in (("fsdp", 1), ("fsdp_ckpt", 2)):
+        counts = [json.loads((tmp / f"forwards-{backend}" / f"rank{r}.json").read_text())["forwards"] for r in (0, 1)]
+        assert counts == [per_use * uses] * 2, (backend, counts, uses)
+
+
+@pytest.mark.parametrize("backend", ["single", "ddp", "fsdp", "fsdp_ckpt", "zero1", "zero2", "zero3"])
 def test_sigkill_and_resume_continue_exactly(setup, uninterrupted, backend):
     tmp, recipe = setup
     name = f"killed-{backend}"
@@ -90,8 +159,11 @@ def test_sigkill_and_resume_continue_exactly(setup, uninterrupted, backend):
     assert p.returncode != 0
     assert max(step_losses(run_dir)) == KILL_AFTER
     assert STEPS not in step_losses(run_dir)
-    run(backend, recipe, name)  # starts again from the checkpoint at step 8
+    assert [c.name for c in (run_dir / "checkpoints").iterdir()] == [f"step_{CKPT_EVERY:08d}"]
+    p = run(backend, recipe, name)  # starts again from the checkpoint at step 8
+    assert_resumed(p, CKPT_EVERY, backend)
     resumed, full = step_losses(run_dir), uninterrupted[backend]
+    assert sorted(resumed) == list(range(1, STEPS + 1))  # one history: the killed run's steps 9..11 were cut back
     for step in range(CKPT_EVERY + 1, STEPS + 1):
         assert resumed[step] == full[step], (step, resumed[step], full[step])  # exact, fp32 on CPU
 
@@ -123,7 +195,7 @@ def test_a_signal_saves_a_checkpoint_and_exits_with_its_status(setup, uninterrup
     ckpts = sorted(p.name for p in (run_dir / "checkpoints").iterdir() if p.name.startswith("step_"))
     assert ckpts[-1] == f"step_{steps[-1]:08d}", (ckpts, steps[-1])
     assert f"{sig}: saved step {steps[-1]} " in out, out[-3000:]
-    run(backend, recipe, name)  # resumes from the signal's checkpoint
+    assert_resumed(run(backend, recipe, name), steps[-1], backend)  # from the signal's checkpoint
     resumed, full = step_losses(run_dir), uninterrupted[backend]
     assert sorted(resumed) == list(range(1, STEPS + 1))
     for step in range(steps[-1] + 1, STEPS + 1):
@@ -152,7 +224,7 @@ def test_a_kill_during_a_checkpoint_save_leaves_the_previous_one_loadable(setup,
     assert p.returncode != 0
     ckpts = sorted(q.name for q in (run_dir / "checkpoints").iterdir())
     assert ckpts == [".tmp_step_00000016", "step_00000008"]  # the half-saved one never got its final name
-    run("single", recipe, name)  # resumes from step 8
+    assert_resumed(run("single", recipe, name), CKPT_EVERY, "single")
     resumed = step_losses(run_dir)
     for step in range(CKPT_EVERY + 1, STEPS + 1):
         assert resumed[step] == uninterrupted["single"][step]
@@ -188,14 +260,15 @@ def test_eval_reads_checkpoints_of_every_backend(setup, uninterrupted):
 
 
 def test_deepspeed_resumes_on_another_world_size_through_the_universal_checkpoint(setup, uninterrupted):
-    """A ZeRO-1 checkpoint written by 2 ranks resumes on 1 (DeepSpeed's universal checkpoint); ZeRO-3, whose
-    universal loading does not restore the optimizer state in the installed DeepSpeed, is refused with the reason."""
+    """A ZeRO-1 or ZeRO-2 checkpoint written by 2 ranks resumes on 1 (DeepSpeed's universal checkpoint) and trains on
+    with the 2-rank run's losses (measured: 1e-7 relative); ZeRO-3, whose universal loading does not restore the
+    optimizer state in the installed DeepSpeed, is refused with the reason."""
     import shutil
 
     import deepspeed
 
     tmp, recipe = setup
-    for stage in (1, 3):
+    for stage in (1, 2, 3):
         name = f"zero{stage}-2to1"
         shutil.copytree(tmp / "runs" / f"full-zero{stage}", tmp / "runs" / name)
         for later in (16, 20):  # back to the state after step 8, as if the job had stopped there
@@ -211,9 +284,31 @@ def test_deepspeed_resumes_on_another_world_size_through_the_universal_checkpoin
             continue
         assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
         assert "resumed at step 8 on deepspeed x1" in p.stdout
+        assert printed_steps(p.stdout) == list(range(CKPT_EVERY + 1, STEPS + 1))
         resumed, full = step_losses(tmp / "runs" / name), uninterrupted[f"zero{stage}"]
         for step in range(CKPT_EVERY + 1, STEPS + 1):
             assert resumed[step] == pytest.approx(full[step], rel=1e-5, abs=1e-6), step
+
+
+def test_a_ddp_checkpoint_resumes_and_trains_on_under_fsdp(setup, uninterrupted):
+    """docs/checkpoints.md: a full checkpoint (rank 0's gathered state.pt, ddp's default) loads into single, ddp and
+    fsdp at any world size. The ddp run's checkpoint at step 8 resumes under fsdp on 2 ranks, each rank taking its
+    shards of the full model and optimizer state, and trains on with the uninterrupted ddp run's losses (1e-5:
+    FSDP reduces in another order, as in the equivalence test)."""
+    import shutil
+
+    tmp, recipe = setup
+    name = "ddp-to-fsdp"
+    shutil.copytree(tmp / "runs" / "full-ddp", tmp / "runs" / name)
+    for later in (16, 20):  # back to the state after step 8, as if the job had stopped there
+        shutil.rmtree(tmp / "runs" / name / "checkpoints" / f"step_{later:08d}")
+    assert_resumed(run("fsdp", recipe, name), CKPT_EVERY, "fsdp")
+    resumed, full = step_losses(tmp / "runs" / name), uninterrupted["ddp"]
+    assert sorted(resumed) == list(range(1, STEPS + 1))
+    for step in range(CKPT_EVERY + 1, STEPS + 1):
+        assert resumed[step] == pytest.approx(full[step], rel=1e-5, abs=1e-6), step
+    last = torch.load(tmp / "runs" / name / "checkpoints" / f"step_{STEPS:08d}" / "state.pt", weights_only=False)
+    assert last["checkpoint_format"] == "sharded"  # from then on fsdp's own format
 
 
 @pytest.mark.parametrize("backend", ["fsdp", "zero1"])
@@ -236,6 +331,7 @@ def test_a_damaged_newest_checkpoint_falls_back_on_every_rank(setup, uninterrupt
     assert p.returncode == 0, out[-3000:]
     assert f"checkpoint {newest} is damaged" in out and "sha256 differs" in out, out[-3000:]
     assert (run_dir / "checkpoints" / f"damaged_step_{STEPS:08d}").is_dir()
+    assert_resumed(p, 2 * CKPT_EVERY, backend)
     resumed, full = step_losses(run_dir), uninterrupted[backend]
     assert sorted(resumed) == list(range(1, STEPS + 1))
     for step in range(2 * CKPT_EVERY + 1, STEPS + 1):  # retrained from the checkpoint at 16

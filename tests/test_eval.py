@@ -2,6 +2,7 @@
 paper's Eq. 3 / Eq. 4 written out from the model's submodules, KL and top-1 from full logits, lm-eval's own
 rolling windows, uncached greedy decoding."""
 import bz2
+import itertools
 import json
 import math
 import subprocess
@@ -215,23 +216,52 @@ def test_step_statistics_follow_eq3_and_eq4_by_hand():
             h = new
 
 
+def ablated_loss_by_hand(model, x, y, n_steps: int, anchor: str, gate: float | None = None) -> float:
+    """Table 11 / E.1 written out: embeddings and prelude give h_pre = h^(0); each step reads its anchor A in the
+    projection and the gate, o = core(W_proj [h, A]), g = sigmoid(f_g([LN h, LN A]) / tau) (or forced to ``gate``),
+    h = g h + (1 - g) o; coda, final LN, tied head, mean cross-entropy. A is h_pre (as trained), zeros, the input
+    embedding (token + position, before the prelude) or h^(r-1) (drifting); only the anchor changes, h^(0) stays
+    h_pre."""
+    rs, tau = model.recur, model.cfg.tau
+    emb = model.embed.wte.weight[x] + model.embed.wpe.weight[torch.arange(x.shape[1])]
+    h_pre = emb
+    for b in model.prelude:
+        h_pre = block(b, h_pre)
+    h = h_pre
+    for _ in range(n_steps):
+        anc = {"prelude": h_pre, "zeros": torch.zeros_like(h_pre), "embedding": emb, "previous": h}[anchor]
+        o = linear(torch.cat([h, anc], -1), rs.proj)
+        for b in rs.blocks:
+            o = block(b, o)
+        u = linear(torch.cat([ln(h, rs.gate.ln_h.weight, rs.gate.ln_h.bias),
+                              ln(anc, rs.gate.ln_pre.weight, rs.gate.ln_pre.bias)], -1), rs.gate.fc1)
+        g = torch.sigmoid(linear(u * torch.sigmoid(u), rs.gate.fc2) / tau) if gate is None else gate
+        h = g * h + (1 - g) * o
+    for b in model.coda:
+        h = block(b, h)
+    logits = ln(h, model.ln_f.weight, model.ln_f.bias) @ model.embed.wte.weight.T
+    return F.cross_entropy(logits.double().flatten(0, 1), y.flatten()).item()
+
+
 def test_anchor_ablations_and_forced_gates():
+    """Every variant of anchor_ablation against the recurrence written out by hand (ablated_loss_by_hand): the four
+    anchors of Table 11 and the gate forced to 0 (always write) and 1 (never update: the r = 0 loss). abs 2e-6 on a
+    loss of ~11 nats: float32 forwards in another op order (the model fuses the gate, splits W_proj into its halves)
+    agree to ~1.5e-7, and float32's resolution at 11 is 1e-6; the variants differ from each other by > 1e-3."""
     model, cfg = small("grt")
     x, y = torch.randint(0, 50257, (2, 32)), torch.randint(0, 50257, (2, 32))
     ab = anchor_ablation(model, [(x, y)], 3, torch.device("cpu"))["loss"]
-    curve = model.exit_losses(x, y, 3)
-    assert ab["prelude"] == pytest.approx(curve["loss"][-1], abs=1e-4)  # the model as trained
-    assert ab["gate1"] == pytest.approx(curve["loss_r0"], abs=1e-4)  # never updating = no recurrence
-    with torch.no_grad():  # gate = 0: h = o each step; 'previous' anchor: h_pre replaced by h^(r-1)
-        h_pre = model.encode(x)
-        h0 = h1 = h_pre
-        for _ in range(3):
-            h0 = model.recur.proposal(h0, h_pre, noise=False)
-            h1 = model.recur(h1, h1, noise=False)[0]
-        for key, h in (("gate0", h0), ("previous", h1)):
-            lp = torch.log_softmax(model.decode(h, None)[0].double(), -1)
-            assert ab[key] == pytest.approx(F.nll_loss(lp.flatten(0, 1), y.flatten()).item(), abs=1e-4)
-    assert len({round(v, 4) for v in ab.values()}) == len(ab)  # each variant changes the model
+    assert set(ab) == {"prelude", "zeros", "embedding", "previous", "gate0", "gate1"}
+    with torch.no_grad():
+        want = {a: ablated_loss_by_hand(model, x, y, 3, a) for a in ("prelude", "zeros", "embedding", "previous")}
+        want.update(gate0=ablated_loss_by_hand(model, x, y, 3, "prelude", gate=0.0),
+                    gate1=ablated_loss_by_hand(model, x, y, 3, "prelude", gate=1.0))
+    for key, loss in want.items():
+        assert ab[key] == pytest.approx(loss, abs=2e-6), key
+    curve = model.exit_losses(x, y, 3)  # the model's own paths agree: as trained, and never updating = r = 0
+    assert ab["prelude"] == pytest.approx(curve["loss"][-1], abs=1e-4)
+    assert ab["gate1"] == pytest.approx(curve["loss_r0"], abs=1e-4)
+    assert min(abs(a - b) for a, b in itertools.combinations(want.values(), 2)) > 1e-3  # each changes the model
     assert [r for r, *_ in trace_steps(model, x, 2, "embedding")] == [1, 2]
 
 
@@ -342,33 +372,59 @@ def test_local_task_files_give_the_published_item_counts():
         assert len(getattr(ld, name)(data_dir=root)[split]) == n, name
 
 
+# The metrics lm-eval defines for each of the seven tasks (its own task configs, mirrored in pipeline/eval/tasks/*.yaml
+# metric_list), written out here so that a metric missing on either side fails the test instead of being skipped;
+# every one comes with its standard error.
+TASK_METRICS = {"lambada_openai": ("perplexity", "acc"), "hellaswag": ("acc", "acc_norm"),
+                "arc_easy": ("acc", "acc_norm"), "arc_challenge": ("acc", "acc_norm"), "piqa": ("acc", "acc_norm"),
+                "boolq": ("acc",), "winogrande": ("acc",)}
+# Bootstrap standard errors: grt eval draws 1,000 resamples, the lm_eval command its default 100,000 (no flag sets
+# it), from the same seeds; two estimates of one quantity, so compared loosely (the 1,000-resample estimate's own
+# relative error is ~1/sqrt(2 * 1000) = 2 % for a normal statistic; 10 % allows a heavier-tailed perplexity).
+BOOTSTRAPPED = {"perplexity_stderr"}
+
+
 def test_grt_eval_and_lm_eval_shell_give_the_same_numbers(tmp_path, corpus):
-    """Train a tiny run, score it with `grt eval eval.tasks=...` and with the `lm_eval` command: same metrics;
-    the item counts equal the files'; MLflow has the per-depth metrics and the JSON artifact."""
+    """Train a tiny run, score all seven tasks at two depths with `grt eval eval.tasks=...` and with the `lm_eval`
+    command (one process per depth, `--model grt --model_args checkpoint=...,n_steps=...`, the data folder through
+    --metadata as the README shows): each task reports exactly lm-eval's metric set on both sides and every value is
+    bit for bit the same (but the bootstrapped perplexity stderr, see BOOTSTRAPPED); --limit / eval.task_limit cut
+    both to 8 of the files' 10 items. MLflow has the per-depth metrics and the JSON artifact."""
     from pipeline.eval.stage import evaluate
     from pipeline.tokenize import tokenize
     from pipeline.train.trainer import Trainer
 
-    data = make_task_data(tmp_path / "eval", n=8)
+    data = make_task_data(tmp_path / "eval", n=10)
     cfg = from_dict(tiny_recipe(tmp_path, corpus, tracking={"enabled": True, "tags": {"study": "harness"}}))
     tokenize(cfg.data, quiet=True)
     Trainer(cfg).fit()
-    tasks = ["piqa", "arc_easy", "lambada_openai", "winogrande"]
-    res = evaluate(cfg.run_dir, [f"eval.tasks=[{','.join(tasks)}]", "eval.task_depths=[1,3]",
-                                 f"eval.task_data_dir={data}", "eval.task_batch_size=3"], quiet=True)
+    tasks, depths, limit = list(TASK_METRICS), (1, 3), 8
+    res = evaluate(cfg.run_dir, [f"eval.tasks=[{','.join(tasks)}]", f"eval.task_depths=[{','.join(map(str, depths))}]",
+                                 f"eval.task_data_dir={data}", "eval.task_batch_size=3", f"eval.task_limit={limit}"],
+                   quiet=True)
     ours = res["downstream"]["depths"]
-    assert set(ours) == {1, 3} and all(ours[1][t]["items"] == 8 for t in tasks)
+    assert set(ours) == set(depths)
     lm_eval = Path(sys.executable).parent / "lm_eval"
-    out = subprocess.run([str(lm_eval), "--model", "grt", "--model_args", f"checkpoint={cfg.run_dir},n_steps=3",
-                          "--tasks", ",".join(tasks), "--include_path", "pipeline/eval/tasks", "--batch_size", "5",
-                          "--metadata", json.dumps({"data_dir": str(data)}), "--output_path", str(tmp_path / "o")],
-                         capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1], timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    theirs = json.loads(next((tmp_path / "o").rglob("results_*.json")).read_text())["results"]
-    for t in tasks:
-        for metric in ("acc", "acc_norm", "perplexity"):
-            if metric in ours[3][t]:
-                assert theirs[t][f"{metric},none"] == pytest.approx(ours[3][t][metric], rel=1e-6), (t, metric)
+    for depth in depths:
+        out_dir = tmp_path / f"lm_eval_{depth}"
+        out = subprocess.run([str(lm_eval), "--model", "grt", "--model_args",
+                              f"checkpoint={cfg.run_dir},n_steps={depth}", "--tasks", ",".join(tasks),
+                              "--include_path", "pipeline/eval/tasks", "--batch_size", "5", "--limit", str(limit),
+                              "--metadata", json.dumps({"data_dir": str(data)}), "--output_path", str(out_dir)],
+                             capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1], timeout=300)
+        assert out.returncode == 0, out.stderr[-3000:]
+        report = json.loads(next(out_dir.rglob("results_*.json")).read_text())
+        for task, metrics in TASK_METRICS.items():
+            want = set(metrics) | {f"{m}_stderr" for m in metrics}
+            theirs = {k.removesuffix(",none"): v for k, v in report["results"][task].items() if "," in k}
+            mine = {k: v for k, v in ours[depth][task].items() if k != "items"}
+            assert set(theirs) == want and set(mine) == want, (depth, task, sorted(theirs), sorted(mine))
+            assert ours[depth][task]["items"] == report["n-samples"][task]["effective"] == limit, (depth, task)
+            for name in sorted(want - BOOTSTRAPPED):
+                assert mine[name] == theirs[name], (depth, task, name, mine[name], theirs[name])
+            for name in want & BOOTSTRAPPED:
+                assert mine[name] == pytest.approx(theirs[name], rel=0.1), (depth, task, name)
+    assert ours[1] != ours[3]  # the depth reaches the scores (not one depth's numbers twice)
     from mlflow.tracking import MlflowClient
     client = MlflowClient(cfg.tracking.uri)
     hist = client.get_metric_history(res["mlflow_run_id"], "downstream.piqa.acc")

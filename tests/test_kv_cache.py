@@ -22,6 +22,7 @@ import torch
 from pipeline.config import GPTConfig, GRTConfig, MoRConfig, OuroConfig, PoissonConfig, RRTConfig, from_dict
 from pipeline.eval.harness import GRTLM
 from pipeline.eval.scoring import decode_loglikelihoods, greedy_generate, loglikelihoods
+from pipeline.infer.generate import generate
 from pipeline.model import build_model
 from pipeline.model.kv_cache import KV_STRATEGIES, KVCache, at_step
 from pipeline.model.layers import CausalSelfAttention
@@ -276,6 +277,62 @@ def test_greedy_generate_batches_any_lengths_and_slides_with_padding(model_type)
     assert got == [s[len(p):] for s, p in zip(seqs, prompts)]
     assert greedy_generate(m, prompts, 8, None, 64, kv="averaged") == [
         greedy_generate(m, [p], 8, None, 64, kv="averaged")[0] for p in prompts]
+
+
+SHORT_CONTEXT = {  # block_size 16: a prompt and its continuation pass the model's learned positions many times over
+    "gpt": GPTConfig(vocab_size=64, block_size=16, d_model=32, n_head=2, n_layer=2),
+    "grt": GRTConfig(vocab_size=64, block_size=16, d_model=32, n_head=2, n_prelude=1, n_core=2, n_coda=1,
+                     n_recurrence=3),
+}
+
+
+@pytest.mark.parametrize("kv", KV_STRATEGIES)
+@pytest.mark.parametrize("model_type", list(SHORT_CONTEXT))
+def test_generation_past_the_models_block_size_slides_as_documented(model_type, kv):
+    """docs/inference.md, Context: positions are learned up to model.block_size, a prompt keeps its last
+    block_size - 1 tokens, and when the batch would pass block_size columns every row is re-encoded from its last
+    block_size // 2 tokens (a new prefill). generate() at the model's own block_size (16), prompts of 21 tokens (past
+    the context) and 5, 40 new tokens: 55 tokens through a 16-position model. The reference decodes each row's
+    windows from scratch without any cache code: kv=full the uncached model on the window, token by token; the
+    compact strategies StrategyReference (the window's prefill step by step, then one token per forward against the
+    strategy's compacted per-token history). Tokens equal, and the logits of every step to 1e-9 (float64)."""
+    torch.manual_seed(5)
+    m = build_model(SHORT_CONTEXT[model_type]).double().eval()
+    with torch.no_grad():  # far off init, so that greedy decoding wanders instead of repeating one token
+        for p in m.parameters():
+            p.add_(0.5 * torch.randn_like(p))
+        if model_type == "grt":
+            m.recur.gate.fc2.bias.normal_(0.0, 1.0)
+    bs, n_new = m.cfg.block_size, 40
+    prompts = [prompt_of(21, seed=21), prompt_of(5, seed=5)]
+    seen = []  # the logits generate() picks each step's tokens from
+
+    def greedy(logits):
+        seen.append(logits.clone())
+        return logits.argmax(dim=-1)
+    got = generate(m, prompts, n_new, bs, kv=kv, sampler=greedy).tokens
+
+    seqs = [p[-(bs - 1):] for p in prompts]  # what the model can read of each prompt
+    start, refs, want, slides = [0] * len(seqs), [None] * len(seqs), [], 0
+    with torch.no_grad():
+        for _ in range(n_new):
+            if max(len(s) - a for s, a in zip(seqs, start)) > bs:  # the longest row's window would pass block_size
+                start, refs, slides = [max(len(s) - bs // 2, 0) for s in seqs], [None] * len(seqs), slides + 1
+            step = []
+            for row, s in enumerate(seqs):
+                if kv == "full":
+                    logits = m(torch.tensor([s[start[row]:]]))[0][0]
+                elif refs[row] is None:  # a new window: its prefill
+                    refs[row] = StrategyReference(m, kv)
+                    logits = refs[row].forward(s[start[row]:])
+                else:
+                    logits = refs[row].forward(s[-1:])
+                step.append(logits[-1])
+                s.append(int(logits[-1].argmax()))
+            want.append(torch.stack(step))
+    assert slides >= 4  # re-encoded again and again
+    assert got == [s[len(s) - n_new:] for s in seqs]
+    torch.testing.assert_close(torch.stack(seen), torch.stack(want), rtol=1e-9, atol=1e-9)
 
 
 @pytest.mark.parametrize("kv", KV_STRATEGIES)

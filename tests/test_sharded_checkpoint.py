@@ -2,8 +2,9 @@
 
 - fsdp writes every rank's own shards; SIGKILL between checkpoints (with async saves) and during a save resume
   exactly (==, fp32 on CPU);
-- a sharded checkpoint resumes on another world size and backend (2 -> 1, 2 -> 3, 1 -> 2, fsdp -> ddp) with the
-  losses of the uninterrupted run (1e-5: only the reduction order differs);
+- a sharded checkpoint resumes on another world size and backend (2 -> 1, 2 -> 3, 1 -> 2, fsdp -> ddp): each
+  resumed run says so and trains only the steps after the checkpoint, with the losses of the uninterrupted run (1e-5:
+  only the reduction order differs);
 - `grt checkpoint convert` to full and safetensors: the weights equal the shards read by DCP's own converter, and
   `grt eval` on the outputs gives the run's loss;
 - rank 0's peak memory during a save: full gathers the whole state there, sharded only its own share.
@@ -19,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import free_port, launched_recipe, step_losses, subprocess_env
+from conftest import free_port, launched_recipe, printed_steps, step_losses, subprocess_env
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS, CKPT_EVERY, KILL_AFTER = 12, 4, 6  # killed once step 6 is logged: 2 steps past the checkpoint at 4
@@ -42,6 +43,11 @@ def launch(recipe: Path, name: str, nproc: int, *overrides: str, port: int, faul
     return p
 
 
+def assert_resumed(p: subprocess.CompletedProcess, on: str) -> None:
+    """The run started from the checkpoint at step 4 on ``on`` (``fsdp x3``, ...) and trained only the steps after
+    it: a run that silently started over would train all of them, to the same losses."""
+    assert f"resumed at step {CKPT_EVERY} on {on} " in p.stdout, p.stdout[-3000:]
+    assert printed_steps(p.stdout) == list(range(CKPT_EVERY + 1, STEPS + 1)), p.stdout[-3000:]
 
 
 def checkpoint_rows(run_dir: Path) -> list[dict]:
@@ -77,7 +83,8 @@ def test_fsdp_writes_shards_and_resumes_exactly_after_kills(setup, uninterrupted
                fault={"GRT_FAULT_KILL_AT_STEP": str(KILL_AFTER)}, check=False)
     assert p.returncode != 0 and max(step_losses(killed)) == KILL_AFTER
     assert sorted(q.name for q in (killed / "checkpoints").iterdir()) == ["step_00000004"]
-    launch(recipe, "killed-async", 2, "train.backend=fsdp", "train.async_checkpoint=true", port=free_port())
+    assert_resumed(launch(recipe, "killed-async", 2, "train.backend=fsdp", "train.async_checkpoint=true",
+                          port=free_port()), "fsdp x2")
     resumed = step_losses(killed)
     assert [resumed[s] == uninterrupted[s] for s in range(CKPT_EVERY + 1, STEPS + 1)] == [True] * (STEPS - CKPT_EVERY)
 
@@ -87,7 +94,7 @@ def test_fsdp_writes_shards_and_resumes_exactly_after_kills(setup, uninterrupted
                check=False)
     assert p.returncode != 0
     assert sorted(q.name for q in (in_save / "checkpoints").iterdir()) == [".tmp_step_00000008", "step_00000004"]
-    launch(recipe, "killed-in-save", 2, "train.backend=fsdp", port=free_port())
+    assert_resumed(launch(recipe, "killed-in-save", 2, "train.backend=fsdp", port=free_port()), "fsdp x2")
     assert not list((in_save / "checkpoints").glob(".tmp_*"))  # the interrupted save was swept at the next publish
     resumed = step_losses(in_save)
     assert [resumed[s] == uninterrupted[s] for s in range(CKPT_EVERY + 1, STEPS + 1)] == [True] * (STEPS - CKPT_EVERY)
@@ -109,7 +116,8 @@ def test_sharded_checkpoints_reshard_across_world_sizes_and_backends(setup, unin
     for i, (name, (source, nproc, overrides)) in enumerate(plans.items()):
         shutil.copytree(runs / source, runs / name)
         assert [q.name for q in (runs / name / "checkpoints").iterdir()] == ["step_00000004"]
-        launch(recipe, name, nproc, *overrides, port=free_port())
+        p = launch(recipe, name, nproc, *overrides, port=free_port())
+        assert_resumed(p, f"{overrides[0].split('=')[1]} x{max(nproc, 1)}")
         resumed = step_losses(runs / name)
         assert sorted(resumed) == list(range(1, STEPS + 1))
         for step in range(CKPT_EVERY + 1, STEPS + 1):

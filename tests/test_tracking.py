@@ -3,6 +3,8 @@
 - a server that is down at start-up stops training before the first step, naming the URI and the fix;
 - killed mid-run: training finishes with a warning, the run folder's buffer holds the rest, `grt track sync`
   replays it and every step is in the metric history exactly once; a resumed run appends to the same MLflow run;
+- a run SIGKILLed between checkpoints (sqlite store) resumes in the same MLflow run: one run, params of the first
+  launch, each step's metrics once, except the steps after the checkpoint, trained and logged again (documented);
 - an outage that ends mid-run is replayed at the next flush (warned once each way), leftovers on resume;
 - a host name the server refuses (MLflow 3.x's --allowed-hosts) is named before training;
 - tags (git SHA, hosts, launcher, world size, SLURM job id), the tokenized dataset as the run's input, the
@@ -30,7 +32,7 @@ from pipeline.tokenize import tokenize
 from pipeline.train.callbacks import Callback
 from pipeline.train.trainer import Trainer
 
-from conftest import free_port, make_corpus, tiny_recipe
+from conftest import free_port, make_corpus, printed_steps, step_losses, subprocess_env, tiny_recipe
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -371,3 +373,50 @@ def test_torchrun_two_ranks_log_once_with_both_hosts(setup, fast_flush):
     assert tags["hosts"] == f"{socket.gethostname()} x2" and tags["world_size"] == "2"
     assert tags["launcher"] == "torchrun"
     assert steps(client, runs[0].info.run_id, "loss") == [1, 2, 3, 4]
+
+
+@pytest.mark.slow
+def test_a_killed_run_resumes_in_the_same_mlflow_run(setup):
+    """`grt train` SIGKILLed right after step 6 (checkpoint at 4, the metrics still in the journal: sent every 10 s)
+    and started again: one MLflow run in the store, the same id in run.json, FINISHED; the params are the first
+    launch's, once; each step's loss is in the history once, except steps 5 and 6, trained and logged by both
+    launches (docs/tracking.md: "Steps after the last checkpoint are trained, and logged, again") with equal values
+    (exact resume), and every value is the one metrics.jsonl holds."""
+    from collections import Counter
+
+    from pipeline.tracking import MAX_PARAM_LEN
+
+    tmp, corpus, _ = setup
+    uri = f"sqlite:///{tmp / 'resume.db'}"
+    r = recipe(tmp, corpus, uri, "resumed", max_steps=10, checkpoint_interval=4, eval_interval=2)
+    path = tmp / "resumed.yaml"
+    path.write_text(yaml.safe_dump(r))
+    cmd = [sys.executable, "-m", "pipeline.cli", "train", str(path)]
+    killed = subprocess.run(cmd, cwd=REPO, env=subprocess_env(GRT_FAULT_KILL_AT_STEP="6"), capture_output=True,
+                            text=True, timeout=300)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    run_dir = from_dict(r).run_dir
+    first_id = run_id_of(run_dir)
+    p = subprocess.run(cmd, cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert "resumed at step 4 on single x1" in p.stdout and printed_steps(p.stdout) == list(range(5, 11)), p.stdout
+
+    client = client_for(uri)
+    exp = client.get_experiment_by_name("scale-out")
+    runs = client.search_runs([exp.experiment_id])
+    assert [x.info.run_id for x in runs] == [first_id] and run_id_of(run_dir) == first_id
+    run = runs[0]
+    assert run.info.status == "FINISHED"
+    assert not (run_dir / "tracking_buffer.jsonl").exists() and not (run_dir / "tracking_rejected.jsonl").exists()
+
+    logged = client.get_metric_history(first_id, "loss")
+    assert Counter(m.step for m in logged) == {**{s: 1 for s in range(1, 11)}, 5: 2, 6: 2}
+    local = step_losses(run_dir)  # the one history of metrics.jsonl (a resume cuts the killed run's 5, 6 back)
+    assert sorted(local) == list(range(1, 11))
+    assert all(m.value == local[m.step] for m in logged), [(m.step, m.value, local[m.step]) for m in logged]
+    assert sorted(m.step for m in client.get_metric_history(first_id, "val_loss")) == [2, 4, 6, 8, 10]
+
+    cfg = from_dict(r)
+    want = {k: str(v)[:MAX_PARAM_LEN] for k, v in cfg.flat().items()}
+    assert {k: v for k, v in run.data.params.items() if not k.startswith("info.")} == want
+    assert {"info.params", "info.tokens_per_step"} <= set(run.data.params)
