@@ -66,6 +66,25 @@ class GPTConfig(ModelConfig):
 
 
 @dataclass
+class RecurrentTransformerConfig(GPTConfig):
+    """Recurrent Transformer (layer-wise self-KV memory): GPT-2 whose layer l attends to keys/values computed from
+    layer l's own outputs at earlier positions (pipeline/model/recurrent_transformer.py)."""
+
+    type: str = "recurrent_transformer"
+    prefill: str = "tiled"  # tiled: the exact divide-and-conquer algorithm; reference: token by token
+    tile: int = 64  # positions per tile of the tiled algorithm
+    own_key: str = "input"  # input: position t also attends to its own input's key/value; none: only earlier outputs
+
+    def validate(self) -> list[str]:
+        p = super().validate() + _at_least(self, "model", ("tile",), 1)
+        if self.prefill not in ("tiled", "reference"):
+            p.append(f"model.prefill must be tiled or reference, got {self.prefill!r}")
+        if self.own_key not in ("input", "none"):
+            p.append(f"model.own_key must be input or none, got {self.own_key!r}")
+        return p
+
+
+@dataclass
 class RecurrentConfig(ModelConfig):
     """The layout every recurrent-depth model here shares, shorthand ``n_prelude + n_core x n_recurrence + n_coda``:
     prelude blocks run once, a core of ``n_core`` blocks looped ``n_recurrence`` times, coda blocks."""

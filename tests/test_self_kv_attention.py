@@ -92,3 +92,36 @@ def test_traffic_is_quadratic_for_the_reference_and_n_log_n_tiled():
         assert til >= 6 * d * n + (3 * d + 2) * n * levels // 2, (n, til)
     ratios = [rows[n][0] / rows[n][1] for n in sorted(rows)]
     assert all(b > 1.5 * a for a, b in zip(ratios, ratios[1:])) and ratios[-1] > 4 * ratios[0], ratios  # ~N / log N
+
+
+@pytest.mark.parametrize("tile", [1, 3, 64])
+def test_a_cached_past_and_left_pads_give_the_reference_and_match_one_pass(tile):
+    """Split a sequence into a prefix and the rest: the rest attending to the prefix's revealed keys as a cache
+    (``past``) gives the same outputs as one pass over the whole; a key mask drops left pads (a pad is nobody's
+    key: the outputs of the other positions equal those of the sequence without the pads)."""
+    torch.manual_seed(tile)
+    x = torch.randn(2, 2, 12, 4, dtype=torch.float64)
+    w = [0.7 * torch.randn(4, 4, dtype=torch.float64) for _ in range(4)]
+    whole = attend_reference(*layer(x, w))
+    ks, vs = [], []
+    q, k_own, v_own, reveal = layer(x, w)
+
+    def keep(t0, t1, o):
+        k, v = reveal(t0, t1, o)
+        ks.append(k), vs.append(v)
+        return k, v
+    attend_tiled(q[..., :5, :], k_own[..., :5, :], v_own[..., :5, :], keep, tile=tile)
+    past = (torch.cat(ks, -2), torch.cat(vs, -2), None)
+
+    def shifted(t0, t1, o):
+        return reveal(t0 + 5, t1 + 5, o)
+    rest = attend_tiled(q[..., 5:, :], k_own[..., 5:, :], v_own[..., 5:, :], shifted, tile=tile, past=past)
+    torch.testing.assert_close(rest, whole[..., 5:, :], rtol=0, atol=1e-12)
+
+    pads = torch.randn(2, 2, 3, 4, dtype=torch.float64)
+    padded = torch.cat([pads, x], dim=-2)
+    mask = torch.ones(2, 15, dtype=torch.bool)
+    mask[:, :3] = False
+    for attend, kw in ((attend_reference, {}), (attend_tiled, {"tile": tile})):
+        got = attend(*layer(padded, w), key_mask=mask, **kw)
+        torch.testing.assert_close(got[..., 3:, :], whole, rtol=0, atol=1e-12)

@@ -1,7 +1,8 @@
 """Models by ``model.type``. A new architecture is one new file plus one line here."""
 from __future__ import annotations
 
-from pipeline.config import GPTConfig, GRTConfig, ModelConfig, MoRConfig, OuroConfig, PoissonConfig, RRTConfig
+from pipeline.config import (GPTConfig, GRTConfig, ModelConfig, MoRConfig, OuroConfig, PoissonConfig, RecurrentTransformerConfig,
+                             RRTConfig)
 
 # type -> (config class, "module:Class"). Classes are imported lazily so that reading a recipe needs no torch.
 _MODELS: dict[str, tuple[type, str]] = {
@@ -12,6 +13,8 @@ _MODELS: dict[str, tuple[type, str]] = {
     "mor": (MoRConfig, "pipeline.model.mor:MoR"),
     "rrt": (RRTConfig, "pipeline.model.rrt:RRT"),
     "ouro": (OuroConfig, "pipeline.model.ouro:Ouro"),
+    # the companion abstracts' systems
+    "recurrent_transformer": (RecurrentTransformerConfig, "pipeline.model.recurrent_transformer:RecurrentTransformer"),
 }
 NOISY_TYPES = ("grt", "poisson")  # trained with noise (GRT's state and gate noise, Poisson's random start), evaluated without
 MODEL_CONFIGS: dict[str, type] = {name: cls for name, (cls, _) in _MODELS.items()}

@@ -31,6 +31,7 @@ from typing import Callable
 import torch
 
 Reveal = Callable[[int, int, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+Past = tuple[torch.Tensor, torch.Tensor, "torch.Tensor | None"]  # cached keys, values [B, H, P, hd], key mask [B, P]
 
 
 @dataclass
@@ -44,11 +45,16 @@ class Traffic:
         return self.read + self.written
 
 
-def _partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
+def _partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, key_mask: torch.Tensor | None = None):
     """Online-softmax partial of the queries ``q`` over the keys/values ``k``, ``v`` (every key visible to every
-    query): (m, l, acc) with m the row max of the scores, l = sum exp(s - m), acc = exp(s - m) @ v."""
+    query, but those ``key_mask`` [B, keys] marks False, e.g. left pads): (m, l, acc) with m the row max of the
+    scores, l = sum exp(s - m), acc = exp(s - m) @ v. A row with no key gets m = 0, l = 0, acc = 0 (merges as
+    nothing)."""
     s = torch.einsum("bhqd,bhkd->bhqk", q, k) * scale
+    if key_mask is not None:
+        s = s.masked_fill(~key_mask[:, None, None, :], float("-inf"))
     m = s.amax(-1, keepdim=True)
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
     p = torch.exp(s - m)
     return m, p.sum(-1, keepdim=True), p @ v
 
@@ -62,31 +68,47 @@ def _merge(a, b):
 
 
 def attend_reference(q: torch.Tensor, k_own: torch.Tensor, v_own: torch.Tensor, reveal: Reveal,
-                     traffic: Traffic | None = None) -> torch.Tensor:
-    """Token by token: o_t = softmax(q_t . [k_own_t; K_<t] / sqrt(hd)) [v_own_t; V_<t], then (K_t, V_t) =
-    reveal(t, t + 1, o_t). Inputs [B, H, N, hd]; returns o [B, H, N, hd]."""
+                     traffic: Traffic | None = None, past: Past | None = None,
+                     key_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Token by token: o_t = softmax(q_t . [k_own_t; P; K_<t] / sqrt(hd)) [v_own_t; P_v; V_<t], then (K_t, V_t) =
+    reveal(t, t + 1, o_t). Inputs [B, H, N, hd] (``k_own``, ``v_own`` None: no own key; a query with no key at
+    all gets o = 0); returns o [B, H, N, hd]. ``past``: (keys, values, mask or None)
+    of earlier tokens (a KV cache), seen by every query; ``key_mask`` [B, N]: which of these positions may be keys
+    of later ones (False: a left pad). Each query always sees its own key."""
     n, d = q.shape[-2], q.shape[-1]
     scale = 1 / math.sqrt(d)
+    B = q.shape[0]
     keys, values, out = [], [], []
+    p_k, p_v, p_mask = past if past is not None else (q[..., :0, :], q[..., :0, :], None)
+    p_mask = p_mask if p_mask is not None else torch.ones(B, p_k.shape[-2], dtype=torch.bool, device=q.device)
+    own = torch.ones(B, 0 if k_own is None else 1, dtype=torch.bool, device=q.device)
+    new_mask = key_mask if key_mask is not None else torch.ones(B, n, dtype=torch.bool, device=q.device)
     for t in range(n):
-        k = torch.cat([k_own[..., t:t + 1, :], *keys], dim=-2)
-        v = torch.cat([v_own[..., t:t + 1, :], *values], dim=-2)
-        o = torch.softmax(torch.einsum("bhqd,bhkd->bhqk", q[..., t:t + 1, :], k) * scale, dim=-1) @ v
+        own_k, own_v = ([], []) if k_own is None else ([k_own[..., t:t + 1, :]], [v_own[..., t:t + 1, :]])
+        k = torch.cat([*own_k, p_k, *keys], dim=-2)
+        v = torch.cat([*own_v, p_v, *values], dim=-2)
+        mask = torch.cat([own, p_mask, new_mask[:, :t]], dim=1)
+        s = torch.einsum("bhqd,bhkd->bhqk", q[..., t:t + 1, :], k) * scale
+        p = torch.softmax(s.masked_fill(~mask[:, None, None, :], float("-inf")), dim=-1)
+        o = torch.nan_to_num(p, nan=0.0) @ v  # no key at all (no own key, position 0): attends to nothing, 0
         kt, vt = reveal(t, t + 1, o)
         keys.append(kt), values.append(vt), out.append(o)
         if traffic is not None:
-            traffic.read += 3 * d + 2 * t * d  # q_t, own k/v, every earlier k/v
+            traffic.read += 3 * d + 2 * (t + p_k.shape[-2]) * d  # q_t, own k/v, every earlier k/v
             traffic.written += 3 * d  # o_t, k_t, v_t
     return torch.cat(out, dim=-2)
 
 
 def attend_tiled(q: torch.Tensor, k_own: torch.Tensor, v_own: torch.Tensor, reveal: Reveal, tile: int = 64,
-                 traffic: Traffic | None = None) -> torch.Tensor:
-    """The same outputs as :func:`attend_reference`, by divide and conquer (module docstring). ``tile`` >= 1."""
+                 traffic: Traffic | None = None, past: Past | None = None,
+                 key_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """The same outputs as :func:`attend_reference` (same arguments), by divide and conquer (module docstring).
+    ``tile`` >= 1. The ``past`` keys reach every query in one batched attention before the recursion."""
     if tile < 1:
         raise ValueError(f"tile={tile} must be >= 1")
     n, d = q.shape[-2], q.shape[-1]
     scale = 1 / math.sqrt(d)
+    km = (lambda a, b: None) if key_mask is None else (lambda a, b: key_mask[:, a:b])
     keys: list = [None] * n
     values: list = [None] * n
     out: list = [None] * n
@@ -99,7 +121,8 @@ def attend_tiled(q: torch.Tensor, k_own: torch.Tensor, v_own: torch.Tensor, reve
             return
         mid = (lo + hi) // 2
         solve(lo, mid)
-        part = _partial(q[..., mid:hi, :], torch.cat(keys[lo:mid], -2), torch.cat(values[lo:mid], -2), scale)
+        part = _partial(q[..., mid:hi, :], torch.cat(keys[lo:mid], -2), torch.cat(values[lo:mid], -2), scale,
+                        km(lo, mid))
         tr.read += (hi - mid) * d + 2 * (mid - lo) * d  # right half's queries, left half's keys and values
         tr.written += (hi - mid) * (d + 2)  # its partial (acc, m, l per query)
         ancestors.append((mid, part))
@@ -108,9 +131,14 @@ def attend_tiled(q: torch.Tensor, k_own: torch.Tensor, v_own: torch.Tensor, reve
 
     def solve_tile(lo: int, hi: int) -> None:
         qt = q[..., lo:hi, :]
-        s = (qt * k_own[..., lo:hi, :]).sum(-1, keepdim=True) * scale  # each query's own key: a one-key partial
-        stats = (s, torch.ones_like(s), v_own[..., lo:hi, :])
-        tr.read += 3 * (hi - lo) * d
+        if k_own is None:  # no own key: an empty partial
+            z = qt[..., :1] * 0
+            stats = (z, z, qt * 0)
+            tr.read += (hi - lo) * d
+        else:  # each query's own key: a one-key partial
+            s = (qt * k_own[..., lo:hi, :]).sum(-1, keepdim=True) * scale
+            stats = (s, torch.ones_like(s), v_own[..., lo:hi, :])
+            tr.read += 3 * (hi - lo) * d
         for first, part in ancestors:  # every enclosing right half covers this tile
             stats = _merge(stats, tuple(x[..., lo - first:hi - first, :] for x in part))
             tr.read += (hi - lo) * (d + 2)
@@ -118,10 +146,15 @@ def attend_tiled(q: torch.Tensor, k_own: torch.Tensor, v_own: torch.Tensor, reve
             row = tuple(x[..., t - lo:t - lo + 1, :] for x in stats)
             if t > lo:  # the tile's earlier positions, in fast memory
                 row = _merge(row, _partial(q[..., t:t + 1, :], torch.cat(keys[lo:t], -2),
-                                           torch.cat(values[lo:t], -2), scale))
-            out[t] = row[2] / row[1]
+                                           torch.cat(values[lo:t], -2), scale, km(lo, t)))
+            m, l, acc = row
+            out[t] = acc / torch.where(l > 0, l, torch.ones_like(l))  # l = 0: no key at all, acc = 0
             keys[t], values[t] = reveal(t, t + 1, out[t])
         tr.written += 3 * (hi - lo) * d  # o, k, v of the tile
 
+    if past is not None and past[0].shape[-2]:
+        ancestors.append((0, _partial(q, past[0], past[1], scale, past[2])))  # covers every query
+        tr.read += n * d + 2 * past[0].shape[-2] * d
+        tr.written += n * (d + 2)
     solve(0, n)
     return torch.cat(out, dim=-2)
