@@ -11,6 +11,7 @@ from pipeline.model.layers import (Block, KVCache, LayerNorm, TokenEmbedding, bl
 
 class GPT(nn.Module):
     config_class = GPTConfig
+    exits_are_layers = True  # its depth is the exit layer (no recurrence); subclasses with other blocks inherit it
 
     def __init__(self, cfg: GPTConfig):
         super().__init__()

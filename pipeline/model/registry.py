@@ -29,6 +29,12 @@ def model_class(model_type: str):
     return getattr(importlib.import_module(module), cls)
 
 
+def exits_are_layers(model_type: str) -> bool:
+    """Whether the model's depth is an exit layer of a stack run once (dense-style: gpt, recurrent_transformer)
+    rather than a recurrence/recursion/loop count."""
+    return getattr(model_class(model_type), "exits_are_layers", False)
+
+
 def build_model(cfg: ModelConfig, device=None, seed: int | None = None):
     """The model for ``cfg`` with its GPT-2 initial weights, each parameter drawn from its own generator seeded by
     (``seed``, its name); ``seed`` defaults to ``torch.initial_seed()``, so ``torch.manual_seed(s); build_model(cfg)``
