@@ -31,6 +31,8 @@ from pipeline.model.self_kv_attention import attend_reference, attend_tiled
 class SelfKVBlock(nn.Module):
     """GPT-2's pre-LN block whose attention reads the keys/values of the block's own earlier outputs."""
 
+    positions_in_order = True  # the positions run one after another (train.compile compiles the MLP only)
+
     def __init__(self, cfg: RecurrentTransformerConfig):
         super().__init__()
         d = cfg.d_model
@@ -92,9 +94,9 @@ class RecurrentTransformer(GPT):
 
     config_class = RecurrentTransformerConfig
 
-    def __init__(self, cfg: RecurrentTransformerConfig):
-        super().__init__(cfg)
-        self.blocks = nn.ModuleList(SelfKVBlock(cfg) for _ in range(cfg.n_layer))
+    @staticmethod
+    def make_block(cfg: RecurrentTransformerConfig) -> nn.Module:
+        return SelfKVBlock(cfg)
 
     @staticmethod
     def shorthand(cfg: RecurrentTransformerConfig) -> str:
