@@ -59,6 +59,17 @@ def _partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, ke
     return m, p.sum(-1, keepdim=True), p @ v
 
 
+def _partial_recomputed(q, k, v, scale, key_mask=None):
+    """:func:`_partial`, keeping for backward only its inputs (q, k, v: O(rows d)) and recomputing the scores and
+    probabilities (O(rows x keys)) there, as flash attention does: without it every cross step's probabilities
+    would be saved, Theta(N^2 H) per layer."""
+    if not torch.is_grad_enabled():
+        return _partial(q, k, v, scale, key_mask)
+    from torch.utils.checkpoint import checkpoint
+
+    return checkpoint(_partial, q, k, v, scale, key_mask, use_reentrant=False)
+
+
 def _merge(a, b):
     """Two partials of the same queries over disjoint key sets -> the partial over their union."""
     (m1, l1, acc1), (m2, l2, acc2) = a, b
@@ -121,8 +132,8 @@ def attend_tiled(q: torch.Tensor, k_own: torch.Tensor, v_own: torch.Tensor, reve
             return
         mid = (lo + hi) // 2
         solve(lo, mid)
-        part = _partial(q[..., mid:hi, :], torch.cat(keys[lo:mid], -2), torch.cat(values[lo:mid], -2), scale,
-                        km(lo, mid))
+        part = _partial_recomputed(q[..., mid:hi, :], torch.cat(keys[lo:mid], -2), torch.cat(values[lo:mid], -2),
+                                   scale, km(lo, mid))
         tr.read += (hi - mid) * d + 2 * (mid - lo) * d  # right half's queries, left half's keys and values
         tr.written += (hi - mid) * (d + 2)  # its partial (acc, m, l per query)
         ancestors.append((mid, part))
