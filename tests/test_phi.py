@@ -43,3 +43,21 @@ def test_a_sweep_without_several_depths_is_refused():
     runs = [x for x in synthetic(0.5, 0.0) if x.r == 2]
     with pytest.raises(ValueError, match="sweep r"):
         fit_phi(runs)
+
+
+def test_parameter_split_counts_the_looped_step_as_n_rec():
+    """GRT 1+2x4+1 at d 64 by hand: a block 12d^2 + 13d; the step = 2 blocks + W_proj (2d^2 + d) + the gate (two
+    LayerNorms 4d, f_g's 2d->d and d->d with biases); once = prelude + coda blocks + the final LN (2d); embeddings
+    out by default (token 50,257 x d, positions 128 x d), in with with_embeddings. A dense model: all once."""
+    from pipeline.config import GPTConfig, GRTConfig
+    from pipeline.eval.phi import parameter_split
+
+    d = 64
+    block = 12 * d * d + 13 * d
+    step = 2 * block + (2 * d * d + d) + 4 * d + (2 * d * d + d) + (d * d + d)
+    cfg = GRTConfig(vocab_size=50257, block_size=128, d_model=d, n_head=2, n_prelude=1, n_core=2, n_coda=1,
+                    n_recurrence=4)
+    assert parameter_split(cfg) == (2 * block + 2 * d, step)
+    assert parameter_split(cfg, with_embeddings=True) == (2 * block + 2 * d + (50257 + 128) * d, step)
+    dense = GPTConfig(vocab_size=50257, block_size=128, d_model=d, n_head=2, n_layer=3)
+    assert parameter_split(dense) == (3 * block + 2 * d, 0)

@@ -115,3 +115,69 @@ def fit_phi(runs: list[Run], n_boot: int = 200, seed: int = 0, starts: list | No
 def _named(theta) -> dict:
     e, a, alpha, b, beta, phi = (float(v) for v in theta)
     return {"E": math.exp(e), "A": math.exp(a), "alpha": alpha, "B": math.exp(b), "beta": beta, "phi": phi}
+
+
+def parameter_split(model_cfg, with_embeddings: bool = False) -> tuple[int, int]:
+    """(N_once, N_rec) of a model config: N_rec the looped module's parameters (``model.recur``: GRT's core, W_proj
+    and gate; Poisson's core and adapter), N_once the rest (a dense model: all, N_rec 0). Embeddings (token and
+    position; the head is tied to the token embedding) are left out unless ``with_embeddings``: at toy widths the
+    50,257-row embedding dwarfs the blocks and would leave phi unidentifiable (Kaplan et al.'s non-embedding
+    convention); the abstract does not say which it counts."""
+    from pipeline.model.registry import build_model, count_params
+
+    model = build_model(model_cfg, device="meta")
+    total = count_params(model)["params"]
+    recur = getattr(model, "recur", None)
+    if recur is None and not getattr(model, "exits_are_layers", False):
+        raise ValueError(f"model.type={model_cfg.type} has no single looped module (model.recur) to count as N_rec; "
+                         f"phi is fitted over grt, poisson and dense (gpt) runs")
+    n_rec = 0 if recur is None else sum(p.numel() for p in recur.parameters())
+    emb = 0 if with_embeddings else sum(p.numel() for p in model.embed.parameters())
+    return total - n_rec - emb, n_rec
+
+
+def runs_from_results(results: list[dict], with_embeddings: bool = False) -> list[Run]:
+    """:class:`Run` rows from evaluated runs (``pipeline.eval.compare.collect``): final validation loss at the trained
+    depth, tokens trained, r = the trained recurrence count (1 for a dense model), N_once / N_rec from the run's
+    recipe (:func:`parameter_split`)."""
+    from pathlib import Path
+
+    from pipeline.config import load_recipe
+
+    rows = []
+    for res in results:
+        if res.get("val_loss") is None:
+            raise ValueError(f"run {res['name']} has no validation loss; run `grt eval` on it first")
+        ckpt = Path(res["checkpoint"])
+        run_dir = next((p for p in (ckpt, *ckpt.parents) if (p / "recipe.yaml").is_file()), None)
+        if run_dir is None:
+            raise FileNotFoundError(f"no recipe.yaml above {ckpt} (run {res['name']}): phi needs the run's model shape")
+        cfg = load_recipe(run_dir / "recipe.yaml")
+        n_once, n_rec = parameter_split(cfg.model, with_embeddings)
+        r = getattr(cfg.model, "n_recurrence", 1) if n_rec else 1
+        rows.append(Run(float(res["val_loss"]), n_once, n_rec, int(r), float(res["tokens_trained"]), res["name"]))
+    return rows
+
+
+def plot_fit(fit: PhiFit, runs: list[Run], path) -> None:
+    """Data and fitted law, one panel per recurrence count r: loss against tokens, one line per model size."""
+    from pipeline.eval.plots import plt, save_figure
+
+    rs = sorted({x.r for x in runs})
+    fig, axes = plt.subplots(1, len(rs), figsize=(4 * len(rs), 3.6), sharey=True, squeeze=False)
+    for ax, r in zip(axes[0], rs):
+        mine = [x for x in runs if x.r == r]
+        for size in sorted({(x.n_once, x.n_rec) for x in mine}):
+            pts = sorted((x.tokens, x.loss) for x in mine if (x.n_once, x.n_rec) == size)
+            line, = ax.plot([t for t, _ in pts], [l for _, l in pts], "o", label=f"{(size[0] + size[1]) / 1e6:.2f}M")
+            grid = np.geomspace(pts[0][0], pts[-1][0], 50)
+            ax.plot(grid, fit.predict(size[0], size[1], r, grid), "-", color=line.get_color())
+        ax.set_xscale("log")
+        ax.set_title(f"r = {r}")
+        ax.set_xlabel("training tokens")
+        ax.legend(fontsize=7, title="N_once + N_rec", title_fontsize=7)
+    lo, hi = fit.ci.get("phi", (float("nan"), float("nan")))
+    axes[0][0].set_ylabel("validation loss")
+    fig.suptitle(f"phi = {fit.params['phi']:.3f} (95% CI {lo:.3f}-{hi:.3f}, {fit.n_boot} bootstrap fits); "
+                 f"points: runs, lines: the fitted law")
+    save_figure(fig, path)
