@@ -176,6 +176,39 @@ class MoRConfig(RecurrentConfig):
 
 
 @dataclass
+class RecurTraceConfig(RecurrentConfig):
+    """RecurTrace (companion abstract): a looped middle block whose layers also attend over their own states of the
+    earlier iterations (Loop Memory Attention), and a halting head trained from an oracle of when one more iteration
+    still lowers the loss (pipeline/model/recurtrace.py)."""
+
+    type: str = "recurtrace"
+    n_prelude: int = 1
+    n_core: int = 1
+    n_coda: int = 1
+    n_recurrence: int = 4  # the most loops (training runs all of them)
+    loop_memory: str = "union"  # union: one softmax over positions and earlier iterations; separate: two, added; none
+    halt_coef: float = 0.1  # weight of the halting head's BCE against the oracle
+    halt_threshold: float = 0.5  # inference: stop when P(continue) < threshold (0: never stop; 1: after one loop)
+    halt_mode: str = "token"  # token: each token stops on its own; sequence: all stop when the mean P(continue) does
+    halt_detach: bool = True  # the halting head reads a detached state (it learns to read the trunk, not steer it)
+
+    def validate(self) -> list[str]:
+        p = super().validate()
+        if self.loop_memory not in ("union", "separate", "none"):
+            p.append(f"model.loop_memory must be union, separate or none, got {self.loop_memory!r}")
+        if self.halt_coef < 0:
+            p.append(f"model.halt_coef must be >= 0, got {self.halt_coef}")
+        if not 0.0 <= self.halt_threshold <= 1.0:
+            p.append(f"model.halt_threshold must be in [0, 1], got {self.halt_threshold}")
+        if self.halt_mode not in ("token", "sequence"):
+            p.append(f"model.halt_mode must be token or sequence, got {self.halt_mode!r}")
+        return p
+
+    def max_depth(self) -> Optional[int]:
+        return None
+
+
+@dataclass
 class RRTConfig(RecurrentConfig):
     """Relaxed Recursive Transformer: the core strictly shared across recursions plus one LoRA per recursion on its
     attention and MLP projections (B = 0 at init: every recursion starts identical)."""

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from pipeline.config import (GPTConfig, GRTConfig, ModelConfig, MoRConfig, OuroConfig, PoissonConfig, RecurrentTransformerConfig,
-                             RRTConfig)
+                             RecurTraceConfig, RRTConfig)
 
 # type -> (config class, "module:Class"). Classes are imported lazily so that reading a recipe needs no torch.
 _MODELS: dict[str, tuple[type, str]] = {
@@ -15,6 +15,7 @@ _MODELS: dict[str, tuple[type, str]] = {
     "ouro": (OuroConfig, "pipeline.model.ouro:Ouro"),
     # the companion abstracts' systems
     "recurrent_transformer": (RecurrentTransformerConfig, "pipeline.model.recurrent_transformer:RecurrentTransformer"),
+    "recurtrace": (RecurTraceConfig, "pipeline.model.recurtrace:RecurTrace"),
 }
 NOISY_TYPES = ("grt", "poisson")  # trained with noise (GRT's state and gate noise, Poisson's random start), evaluated without
 MODEL_CONFIGS: dict[str, type] = {name: cls for name, (cls, _) in _MODELS.items()}
