@@ -292,7 +292,7 @@ def log_to_mlflow(cfg, state: dict, result: dict, out_dir: Path, plots: list[Pat
 
 def print_report(result: dict) -> None:
     recurrent = not exits_are_layers(result["type"])
-    kind = "layer" if not recurrent else {"mor": "recursion", "rrt": "recursion", "ouro": "loop"}.get(
+    kind = "layer" if not recurrent else {"mor": "recursion", "rrt": "recursion", "ouro": "loop", "recurtrace": "loop"}.get(
         result["type"], "recurrence step r")
     noise = (", noise ON (eval.noise)" if result.get("noise") else ", noise off") if result["type"] in NOISY_TYPES \
         else ""
