@@ -93,12 +93,43 @@ def ouro_report(model, cfg, batches, device) -> dict:
     return {"loop": loops, "exit_probability": (p_sum / tokens).tolist(), "q_exit": rows, "val_tokens": tokens}
 
 
+HALT_THRESHOLDS = (0.0, 0.25, 0.5, 0.75, 1.0)  # RecurTrace: the recipe's threshold is added to these
+
+
+@torch.no_grad()
+def recurtrace_report(model, cfg, batches, device) -> dict:
+    """RecurTrace's halting at several thresholds (the recipe's among them): validation loss with per-token (or
+    per-row, halt_mode) stopping, and the mean loops used; threshold 0 runs every loop, 1 stops after the first."""
+    import dataclasses
+
+    rows = []
+    original = model.cfg
+    try:
+        for th in sorted({*HALT_THRESHOLDS, cfg.halt_threshold}):
+            model.cfg = dataclasses.replace(original, halt_threshold=th)
+            loss_sum, loops_sum, tokens = 0.0, 0.0, 0
+            for x, y in batches():
+                x, y = x.to(device), y.to(device)
+                _, loss = model(x, y)
+                n = int((y >= 0).sum())
+                loss_sum += loss.item() * n
+                loops_sum += model.last_mean_loops * y.numel()
+                tokens += n
+            rows.append({"threshold": th, "loss": loss_sum / tokens, "mean_loops": loops_sum / tokens,
+                         "recipe": th == cfg.halt_threshold})
+    finally:
+        model.cfg = original
+    return {"halting": rows, "halt_mode": cfg.halt_mode}
+
+
 def method_report(model, cfg, batches, device) -> dict | None:
     """The method's own measurements (see the module docstring), or None for a model without any."""
     if cfg.model.type == "mor":
         return {"mor": mor_report(model, batches, device)}
     if cfg.model.type == "ouro":
         return {"ouro": ouro_report(model, cfg.model, batches, device)}
+    if cfg.model.type == "recurtrace":
+        return {"recurtrace": recurtrace_report(model, cfg.model, batches, device)}
     return None
 
 
@@ -116,6 +147,16 @@ def print_method_report(report: dict) -> None:
         for row in ouro["q_exit"]:
             print(f"  Ouro Q-exit q={row['q']:.1f}: loss {row['loss']:.4f}, mean loops {row['mean_loops']:.2f}, "
                   f"{row['flops_per_token'] / 1e6:,.1f}M FLOPs/token (read out of a full-depth pass)")
+    _print_recurtrace(report)
+
+
+def _print_recurtrace(report: dict) -> None:
+    rt = report.get("recurtrace")
+    if rt:
+        for row in rt["halting"]:
+            mark = " (the recipe's)" if row["recipe"] else ""
+            print(f"  RecurTrace halting ({rt['halt_mode']}) at P(continue) < {row['threshold']:.2f}{mark}: loss "
+                  f"{row['loss']:.4f}, mean loops {row['mean_loops']:.2f}")
 
 
 def method_metrics(report: dict) -> list[tuple[dict, int]]:
@@ -127,6 +168,9 @@ def method_metrics(report: dict) -> list[tuple[dict, int]]:
             out.append(({"eval.mor_fraction_topk": mor["topk"]["fraction"][i],
                          "eval.mor_fraction_threshold": mor["threshold"]["fraction"][i]}, r))
         out.append(({"eval.mor_threshold_loss": mor["threshold"]["loss"]}, 0))
+    for row in report.get("recurtrace", {}).get("halting", []):
+        out.append(({"eval.recurtrace_halt_loss": row["loss"], "eval.recurtrace_halt_mean_loops": row["mean_loops"]},
+                    int(round(row["threshold"] * 100))))
     ouro = report.get("ouro")
     if ouro:
         for t, p in zip(ouro["loop"], ouro["exit_probability"]):
