@@ -125,7 +125,7 @@ def cmd_sweep(args) -> int:
     """`grt run` on every recipe of a folder (pipeline/sweep.py), then a summary table."""
     from pipeline.sweep import sweep_command
 
-    return sweep_command(args.folder, args.overrides, args.data, args.dry_run)
+    return sweep_command(args.folder, args.overrides, args.data, args.dry_run, rerun=args.rerun)
 
 
 def cmd_paper_table(args) -> int:
@@ -271,6 +271,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--data", metavar="DATA_RECIPE", default=None,
                    help="a data recipe whose data: section replaces every recipe's (as grt run --data)")
     s.add_argument("--dry-run", action="store_true", help="list the recipes, their models and tags; run nothing")
+    s.add_argument("--rerun", action="store_true",
+                   help="also run the recipes whose run is already trained to max_steps and evaluated (skipped "
+                        "otherwise, so the same command continues an interrupted sweep)")
     s.set_defaults(fn=cmd_sweep)
     s = sub.add_parser("fit-phi", help="the recurrence-equivalence exponent phi of L = E + A (N_once + r^phi "
                                        "N_rec)^-alpha + B D^-beta over evaluated runs (docs/related.md)")

@@ -188,3 +188,22 @@ def test_ablation_row_2_keeps_row_3s_block_executions():
     medium2, medium3 = shape("medium-2k/2-recurrence.yaml"), shape("medium-2k/3-prelude-coda.yaml")
     assert medium2 == (0, 6, 4, 0) and medium3 == (2, 5, 4, 2)
     assert executions(medium2) == executions(medium3) == 24 and medium2[2] == medium3[2] == 4
+
+
+def test_a_finished_and_evaluated_run_is_skipped_unless_rerun(sweep_folder, capsys):
+    """run-a trained to its max_steps and evaluated there (eval/exits.json at that step) is skipped, so the same
+    command continues an interrupted sweep; run-d evaluated at an earlier step (stopped before the end) runs;
+    --rerun runs every one."""
+    cfg_a = load_recipe(sweep_folder / "a.yaml")
+    cfg_d = load_recipe(sweep_folder / "d.yaml")
+    for cfg, step in ((cfg_a, cfg_a.train.max_steps), (cfg_d, cfg_d.train.max_steps - 1)):
+        (cfg.run_dir / "eval").mkdir(parents=True)
+        (cfg.run_dir / "eval" / "exits.json").write_text(json.dumps({"step": step, "val_loss": 3.25}))
+    calls = []
+    rows = run_sweep(sweep_folder, runner=lambda recipe, *a: calls.append(Path(recipe).name))
+    assert calls == ["c.yaml", "d.yaml"]  # b.yaml fails to load (its unknown key), a.yaml is done
+    assert rows[0].status == "done before" and rows[0].val_loss == 3.25
+    assert "run-a trained and evaluated at step" in capsys.readouterr().out
+    calls.clear()
+    run_sweep(sweep_folder, runner=lambda recipe, *a: calls.append(Path(recipe).name), rerun=True)
+    assert calls == ["a.yaml", "c.yaml", "d.yaml"]
