@@ -120,12 +120,7 @@ def free_port() -> int:
 
 def step_losses(run_dir: Path) -> dict[int, float]:
     """Per-step training losses from metrics.jsonl; for a resumed run, the last time each step was logged."""
-    out = {}
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        row = json.loads(line)
-        if "loss" in row:
-            out[row["step"]] = row["loss"]
-    return out
+    return step_values(run_dir, "loss")
 
 
 def launched_recipe(tmp: Path, **train) -> Path:
