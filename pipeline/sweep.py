@@ -78,12 +78,30 @@ def _val_loss(cfg) -> Optional[float]:
         return None
 
 
-def finished_step(cfg) -> Optional[int]:
-    """The training step `grt eval` last evaluated this run at (runs/NAME/eval/exits.json), None when never."""
+def finished(cfg) -> tuple[bool, str]:
+    """(True, "") when `grt eval` last evaluated this run (runs/NAME/eval/exits.json) at the recipe's max_steps, from
+    a checkpoint trained with exactly this recipe; else (False, why not) — a run evaluated earlier, or whose recipe
+    changed since, is run again (it resumes from its checkpoint), so a stale result is never taken for this recipe's."""
+    import yaml
+
+    from pipeline.train.run_folder import recipe_changes
+
     try:
-        return int(json.loads((cfg.run_dir / "eval" / "exits.json").read_text())["step"])
+        exits = json.loads((cfg.run_dir / "eval" / "exits.json").read_text())
+        step, ckpt = int(exits["step"]), Path(exits["checkpoint"])
     except (OSError, ValueError, KeyError, TypeError):
-        return None
+        return False, ""  # never evaluated
+    if step != cfg.train.max_steps:
+        return False, f"evaluated at step {step} of {cfg.train.max_steps}"
+    try:
+        saved = yaml.safe_load(((ckpt.parent if ckpt.is_file() else ckpt) / "recipe.yaml").read_text())
+    except (OSError, yaml.YAMLError):
+        return False, f"the evaluated checkpoint's recipe is not readable ({ckpt})"
+    changes = recipe_changes(saved if isinstance(saved, dict) else {}, cfg.to_dict())
+    if changes:
+        more = " ..." if len(changes) > 3 else ""
+        return False, f"the recipe changed since its checkpoint ({'; '.join(changes[:3])}{more})"
+    return True, ""
 
 
 def _one_line(e: BaseException) -> str:
@@ -113,7 +131,8 @@ def run_sweep(folder: str | Path, overrides: list | None = None, data: Optional[
                 row.status = "dry run"
                 print(f"{i}. {path} -> {cfg.name}: {_describe(cfg)}")
                 continue
-            if not rerun and finished_step(cfg) == cfg.train.max_steps:
+            done, why = finished(cfg) if not rerun else (False, "")
+            if done:
                 row.status, row.val_loss = "done before", _val_loss(cfg)
                 if main:
                     print(f"=== sweep {sweep_tag(folder)} [{i}/{len(recipes)}]: {cfg.name} trained and evaluated at "
@@ -121,7 +140,9 @@ def run_sweep(folder: str | Path, overrides: list | None = None, data: Optional[
                           flush=True)
                 continue
             if main:
-                print(f"\n=== sweep {sweep_tag(folder)} [{i}/{len(recipes)}]: {path} -> run {cfg.name}", flush=True)
+                again = f" ({why}: running it again)" if why else ""
+                print(f"\n=== sweep {sweep_tag(folder)} [{i}/{len(recipes)}]: {path} -> run {cfg.name}{again}",
+                      flush=True)
             runner(str(path), overrides, data)
             row.status, row.val_loss = "ok", _val_loss(cfg)
         except (TrainingStopped, KeyboardInterrupt):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pipeline.eval.phi import Run, fit_phi, predict
+from pipeline.eval.phi import Run, fit_phi, initial_grid, predict
 
 TRUE = {"E": 1.8, "A": 400.0, "alpha": 0.34, "B": 410.0, "beta": 0.28}
 
@@ -26,7 +26,9 @@ def synthetic(phi: float, noise: float, seed: int = 0) -> list[Run]:
 
 @pytest.mark.parametrize("phi", [0.0, 0.46, 1.0])
 def test_noiseless_losses_give_back_the_parameters(phi):
-    fit = fit_phi(synthetic(phi, 0.0), n_boot=0)
+    """Every sixth start of the default grid (16 of 96, for the suite's time) already recovers the law; the noisy test
+    below runs the default grid."""
+    fit = fit_phi(synthetic(phi, 0.0), n_boot=0, starts=initial_grid()[::6])
     assert fit.params["phi"] == pytest.approx(phi, abs=2e-3)
     assert fit.params["alpha"] == pytest.approx(TRUE["alpha"], rel=1e-2)
     assert fit.params["E"] == pytest.approx(TRUE["E"], rel=1e-2)

@@ -129,6 +129,7 @@ def generate_command(args, out=None, err=None) -> int:
     gen = generate(model, ids, args.max_new_tokens, block_size, n_steps=args.n_steps, kv=args.kv, sampler=sampler,
                    stop=stop, early_exit=early)
     depth = early.n_max if early else (args.n_steps or model_class(cfg.model.type).full_depth(cfg.model))
+    halting = cfg.model.type == "recurtrace" and args.n_steps is None  # its halting head sets each token's loops
     speed = (f"{gen.n_tokens} new tokens in {gen.seconds:.2f} s, {gen.n_tokens / max(gen.seconds, 1e-9):.1f} "
              f"tokens/s (prefill included; {device.type}, kv={args.kv})")
     for row, (prompt, text) in enumerate(zip(prompts, texts)):
@@ -140,14 +141,17 @@ def generate_command(args, out=None, err=None) -> int:
         if len(prompts) > 1:
             print(f"-- prompt {row + 1}/{len(prompts)}: {what}", file=err)
         else:
-            print(f"-- {what}; {speed}; {_depth_note(cfg, depth, early, gen)}", file=err)
+            print(f"-- {what}; {speed}; {_depth_note(cfg, depth, early, gen, halting)}", file=err)
     if len(prompts) > 1:
-        print(f"-- batch of {len(prompts)}: {speed}; {_depth_note(cfg, depth, None, gen)}", file=err)
+        print(f"-- batch of {len(prompts)}: {speed}; {_depth_note(cfg, depth, None, gen, halting)}", file=err)
     err.flush()
     return 0
 
 
-def _depth_note(cfg, depth: int, early: EarlyExit | None, gen) -> str:
+def _depth_note(cfg, depth: int, early: EarlyExit | None, gen, halting: bool = False) -> str:
+    if halting:
+        return (f"halting: each {'token' if cfg.model.halt_mode == 'token' else 'row'} stops once P(continue) < "
+                f"{cfg.model.halt_threshold:g}, at most {depth} loops (--n-steps N: exactly N)")
     if exits_are_layers(cfg.model.type):
         return f"exit layer {depth} of {cfg.model.n_layer}"
     if early is None:

@@ -59,15 +59,51 @@ def _partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, ke
     return m, p.sum(-1, keepdim=True), p @ v
 
 
-def _partial_recomputed(q, k, v, scale, key_mask=None):
-    """:func:`_partial`, keeping for backward only its inputs (q, k, v: O(rows d)) and recomputing the scores and
-    probabilities (O(rows x keys)) there, as flash attention does: without it every cross step's probabilities
-    would be saved, Theta(N^2 H) per layer."""
-    if not torch.is_grad_enabled():
-        return _partial(q, k, v, scale, key_mask)
-    from torch.utils.checkpoint import checkpoint
+class _RecomputedPartial(torch.autograd.Function):
+    """:func:`_partial` of ``q`` over the concatenation of per-position keys and values, keeping for backward only
+    its inputs (q and those per-position tensors, which exist anyway: no concatenated copy) and its max m, and
+    recomputing the scores and probabilities in backward, as flash attention does. Saving them instead would cost
+    the probabilities of every cross step (Theta(N^2 H) per layer) and a copy of a tile's earlier keys/values at
+    each of its positions (Theta(N tile d) per layer). The backward is written out (a few batched products per
+    call, no second autograd pass: one runs per position)."""
 
-    return checkpoint(_partial, q, k, v, scale, key_mask, use_reentrant=False)
+    @staticmethod
+    def forward(ctx, scale, key_mask, n_keys, q, *keys_then_values):
+        k, v = torch.cat(keys_then_values[:n_keys], -2), torch.cat(keys_then_values[n_keys:], -2)
+        m, l, acc = _partial(q, k, v, scale, key_mask)
+        ctx.scale, ctx.key_mask, ctx.n_keys = scale, key_mask, n_keys
+        ctx.save_for_backward(q, m, *keys_then_values)
+        return m, l, acc
+
+    @staticmethod
+    def backward(ctx, dm, dl, dacc):
+        q, m, *kv = ctx.saved_tensors
+        n, scale = ctx.n_keys, ctx.scale
+        up = lambda t: t.to(torch.promote_types(t.dtype, torch.float32))  # fp32 math under bf16 autocast
+        q32, m32, dl, dacc = (up(t) for t in (q, m, dl, dacc))
+        k, v = up(torch.cat(kv[:n], -2)), up(torch.cat(kv[n:], -2))
+        s = (q32 @ k.transpose(-1, -2)) * scale
+        if ctx.key_mask is not None:
+            s = s.masked_fill(~ctx.key_mask[:, None, None, :], float("-inf"))
+        p = torch.exp(s - m32)  # 0 at masked keys
+        # m is held constant (dm left out): the partial reaches the output only through exp(m) l and exp(m) acc (the
+        # merges, then acc / l), which do not depend on m, so what reaches m through dm and through p = exp(s - m)
+        # cancels exactly; flash attention's backward treats its row max the same way
+        ds = p * (dl + dacc @ v.transpose(-1, -2))  # through l = sum p and acc = p v
+        dq = (ds @ k) * scale
+        dk = (ds.transpose(-1, -2) @ q32) * scale
+        dv = p.transpose(-1, -2) @ dacc
+        sizes = [t.shape[-2] for t in kv[:n]]
+        dkv = torch.cat([dk, dv], -2).to(kv[0].dtype)  # one cast (the keys and values share the layer's dtype)
+        return (None, None, None, dq.to(q.dtype), *dkv.split(sizes + sizes, -2))
+
+
+def _partial_recomputed(q, keys: list, values: list, scale, key_mask=None):
+    """:func:`_partial` over the keys/values lists ([B, H, n_i, hd] each, concatenated), recomputed in backward
+    (:class:`_RecomputedPartial`) when gradients are on."""
+    if not torch.is_grad_enabled():
+        return _partial(q, torch.cat(keys, -2), torch.cat(values, -2), scale, key_mask)
+    return _RecomputedPartial.apply(scale, key_mask, len(keys), q, *keys, *values)
 
 
 def _merge(a, b):
@@ -132,8 +168,7 @@ def attend_tiled(q: torch.Tensor, k_own: torch.Tensor, v_own: torch.Tensor, reve
             return
         mid = (lo + hi) // 2
         solve(lo, mid)
-        part = _partial_recomputed(q[..., mid:hi, :], torch.cat(keys[lo:mid], -2), torch.cat(values[lo:mid], -2),
-                                   scale, km(lo, mid))
+        part = _partial_recomputed(q[..., mid:hi, :], keys[lo:mid], values[lo:mid], scale, km(lo, mid))
         tr.read += (hi - mid) * d + 2 * (mid - lo) * d  # right half's queries, left half's keys and values
         tr.written += (hi - mid) * (d + 2)  # its partial (acc, m, l per query)
         ancestors.append((mid, part))
@@ -156,8 +191,8 @@ def attend_tiled(q: torch.Tensor, k_own: torch.Tensor, v_own: torch.Tensor, reve
         for t in range(lo, hi):  # in order: position t's key/value exist once t is computed
             row = tuple(x[..., t - lo:t - lo + 1, :] for x in stats)
             if t > lo:  # the tile's earlier positions, in fast memory
-                row = _merge(row, _partial(q[..., t:t + 1, :], torch.cat(keys[lo:t], -2),
-                                           torch.cat(values[lo:t], -2), scale, km(lo, t)))
+                row = _merge(row, _partial_recomputed(q[..., t:t + 1, :], keys[lo:t], values[lo:t], scale,
+                                                      km(lo, t)))
             m, l, acc = row
             out[t] = acc / torch.where(l > 0, l, torch.ones_like(l))  # l = 0: no key at all, acc = 0
             keys[t], values[t] = reveal(t, t + 1, out[t])
