@@ -216,6 +216,15 @@ def cmd_generate(args) -> int:
         return USAGE
 
 
+def add_run_selection(s: argparse.ArgumentParser, tag_help: str) -> None:
+    """The runs a command reads from MLflow: names/ids or folders, the tracking URI, experiments and tags."""
+    s.add_argument("runs", nargs="*", help="MLflow run names/ids or run folders (default: all evaluated runs)")
+    s.add_argument("--tracking-uri", default=TrackingConfig.uri)
+    s.add_argument("--experiment", action="append", default=None,
+                   help=f"MLflow experiment to search (repeatable; default {TrackingConfig.experiment})")
+    s.add_argument("--tag", action="append", default=None, metavar="KEY=VALUE", help=tag_help)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="grt", description="Pretraining pipeline for recurrent-depth transformers.")
     p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)  # deepspeed launcher
@@ -254,12 +263,7 @@ def build_parser() -> argparse.ArgumentParser:
                                                 "eval.tasks=[piqa,arc_easy] eval.task_depths=[2,4,8]")
     s.set_defaults(fn=cmd_eval)
     s = sub.add_parser("compare", help="early-exit and downstream tables + early-exit overlays of evaluated runs")
-    s.add_argument("runs", nargs="*", help="MLflow run names/ids or run folders (default: all evaluated runs)")
-    s.add_argument("--tracking-uri", default=TrackingConfig.uri)
-    s.add_argument("--experiment", action="append", default=None,
-                   help=f"MLflow experiment to search (repeatable; default {TrackingConfig.experiment})")
-    s.add_argument("--tag", action="append", default=None, metavar="KEY=VALUE",
-                   help="only runs with this MLflow tag (repeatable; set them with tracking.tags in the recipe)")
+    add_run_selection(s, "only runs with this MLflow tag (repeatable; set them with tracking.tags in the recipe)")
     s.add_argument("--format", default="table", choices=["table", "markdown", "csv", "json"])
     s.add_argument("--out", default="runs/compare", help="folder for the overlay plot and the table file")
     s.set_defaults(fn=cmd_compare)
@@ -277,12 +281,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(fn=cmd_sweep)
     s = sub.add_parser("fit-phi", help="the recurrence-equivalence exponent phi of L = E + A (N_once + r^phi "
                                        "N_rec)^-alpha + B D^-beta over evaluated runs (docs/related.md)")
-    s.add_argument("runs", nargs="*", help="MLflow run names/ids or run folders (default: all evaluated runs)")
-    s.add_argument("--tracking-uri", default=TrackingConfig.uri)
-    s.add_argument("--experiment", action="append", default=None,
-                   help=f"MLflow experiment to search (repeatable; default {TrackingConfig.experiment})")
-    s.add_argument("--tag", action="append", default=None, metavar="KEY=VALUE",
-                   help="only runs with this MLflow tag (e.g. sweep=phi, set by grt sweep)")
+    add_run_selection(s, "only runs with this MLflow tag (repeatable; e.g. sweep=phi, set by grt sweep)")
     s.add_argument("--boot", type=int, default=200, help="bootstrap refits for the confidence intervals")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--with-embeddings", action="store_true",

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 import yaml
 
-from conftest import make_corpus, step_losses, step_values, subprocess_env, tiny_recipe
+from conftest import model_recipes, step_losses, step_values, subprocess_env
 from test_distributed import REPO, assert_resumed, command, run
 from test_eval import ENC, direct_loglikelihood, make_task_data
 
@@ -49,27 +49,12 @@ BACKENDS = {"recurrent_transformer": SHARDED, "recurtrace": SHARDED, "grt_bptt2_
 
 @pytest.fixture(scope="module")
 def recipes(tmp_path_factory):
-    """One recipe per model over one tokenized corpus."""
-    from pipeline.config import from_dict
-    from pipeline.tokenize import tokenize
-
+    """One recipe per model over one tokenized corpus: 2 micro-batches of 2 samples per step (one per rank on 2
+    ranks), the exit curve to the trained depth (default twice that)."""
     tmp = tmp_path_factory.mktemp("related")
-    corpus = make_corpus(tmp / "corpus", n_docs=90)
-    out = {}
-    for name, model in MODELS.items():
-        recipe = tiny_recipe(tmp, corpus)
-        recipe["model"] = {"block_size": 32, "d_model": 32, "n_head": 2, **model}
-        # 2 micro-batches of 2 samples per step, one per rank on 2 ranks
-        recipe["train"].update(micro_batch_size=2, grad_accum_steps=2, log_interval=1, max_steps=STEPS,
-                               checkpoint_interval=CKPT_EVERY, eval_interval=STEPS, collective_timeout_s=30)
-        recipe["eval"].update(diagnostics=False)
-        if "n_recurrence" in model:  # exit curve to the trained depth (default twice that)
-            recipe["eval"]["max_steps"] = model["n_recurrence"]
-        path = tmp / f"{name}.yaml"
-        path.write_text(yaml.safe_dump(recipe))
-        out[name] = path
-    tokenize(from_dict(yaml.safe_load(next(iter(out.values())).read_text())).data, quiet=True)
-    return tmp, out
+    depths = {name: model["n_recurrence"] for name, model in MODELS.items() if "n_recurrence" in model}
+    return tmp, model_recipes(tmp, MODELS, dict(micro_batch_size=2, grad_accum_steps=2, max_steps=STEPS,
+                                                checkpoint_interval=CKPT_EVERY, eval_interval=STEPS), depths)
 
 
 def killed_then_resumed(backend: str, recipe, run_dir) -> dict:
