@@ -42,7 +42,7 @@ compare-methods: $(STAMP)
 	echo "compare-methods: done in $$(( $$(date +%s) - start )) s"
 
 test: $(STAMP)
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=25 tests
 
 # For a lent CUDA machine (torch and triton preinstalled there, nothing else; `python3 bench/gpu_check.py` is the same
 # without make): the CUDA tests and the GPU benchmarks, each phase in its own process under its own time cap (7 min in

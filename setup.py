@@ -37,6 +37,7 @@ setup(
         # never pulls another torch
         "transformers>=5.0,<6",
         "psutil>=5.9",  # rank-0 peak memory of checkpoint saves
+        "scipy>=1.11,<2",  # `grt fit-phi`: the robust least-squares fit of the recurrence-equivalence law
     ],
     # triton: CUDA torch wheels bring their own; the CPU tests run the kernels in Triton's interpreter
     extras_require={"test": ["pytest>=8,<10", "triton>=3.2,<4"]},

@@ -32,42 +32,15 @@ compute dtype since it starts as a Linear's output):
     head (fused CE)       s BTd (final LN input) + 4 BTd (dL/dh, fp32) + 4 Vd (dL/dW, fp32)
     core_step             per step only its inputs: the state h; once: h_pre and the two anchor terms
     blocks                per block only its input; the gate, W_proj and noise are not checkpointed
+    GRT backprop_steps k  the first R - k steps (k < R) run under no_grad and save nothing: k steps as above, and
+                          h_pre is saved on its own (it is no longer step 1's state)
+    GRT hyper_streams n   per step + (n_core (2n + 2) - n + 1) a BTd: per core block the n streams entering each
+                          sublayer (the stream mixes' input; the first block's are its input, expanded) and each
+                          sublayer's output (scaled by B); LN_1 reads a mix, not the input (+1 for the first block).
+                          blocks: a core block after the first holds its n streams (n a BTd); region + (n + 2) a BTd
 
-    The paper's competitors (embeddings, prelude / coda blocks and the head as above unless said):
-    Poisson               depth p is random and unbounded, but the first max(p - k, 0) steps run under no_grad and
-                          save nothing: the estimate is at k = backprop_steps grad steps, the bound for every p (a
-                          step p <= k saves less). The random initial state is drawn without grad: never saved.
-      grad step, no ckpt  2 a BTd (the adapter's input [h, h_pre], in the compute dtype) + n_core blocks on the
-                          compute-dtype stream (the adapter's output; the coda and the head's LN continue it)
-      core_step           per grad step only its input h (a); once h_pre (s). Region: one whole grad step
-      blocks              per grad step the adapter input + each core block's input (a BTd); the adapter is not
-                          checkpointed
-    MoR recursion r       k_r = max(1, floor((N_r - r) T / N_r)) tokens chosen among the n_r = k_{r-1} candidates
-                          (n_0 = T), r = 0..N_r-1; attention among the chosen only (a block on k_r tokens)
-      no ckpt             n_core blocks on k_r tokens + s BTd (the state h entering r, saved by the gather of the
-                          candidates (r > 0) or of the chosen (r = 0)) + s B n_r d (the candidates, r > 0: router
-                          input and gather source) + a B n_r d (the router's autocast cast, a != s only) + s B k_r d
-                          (the core's output, saved by the weighted update) + (2a + 8) B n_r (router logits and
-                          sigmoid, the BCE's fp32 logits and top-k membership target) + (a + 16) B k_r (the gathered
-                          weights, int64 indices of the chosen: in the candidates and in the sequence)
-      core_step           per recursion only its inputs: h (s BTd) and the previous recursion's indices (8 B n_r).
-                          Region: the largest recursion (r = 0: k_0 = T) without its inputs
-      blocks              per recursion the routing terms above + each core block's input (s B k_r d) and the core's
-                          output; router, gathers and scatter are not checkpointed
-    RRT core block        pre-LN block + 4 a BT rank (A_r x of each LoRA'd projection: c_attn, attn c_proj, c_fc,
-                          mlp c_proj, saved by B_r; the scale and the sum save nothing) + 2 a BTd when a != s
-                          (autocast casts LN's fp32 output once for W and once more for A_r: c_attn and c_fc);
-                          N_r recursions of n_core such blocks, the stream in s (x + block(x) keeps x's dtype)
-      core_step           per recursion only its input h (s BTd); region: one recursion
-      blocks              per block only its input
-    Ouro loop t           n_layer blocks + s BTd (the loop norm's input) + 8 BT (its statistics) + 4 BT (the
-                          per-token fused CE's logsumexp: it saves h_t, which the next loop's first block saves too,
-                          and recomputes the logits in backward: no dL/dh, dL/dW) + a BTd when a != s (the exit
-                          gate's autocast cast of h_t, loops t < T); once: h_T (s BTd), the int64 targets (8 BT) and
-                          the loss over the loops: 12 BT T (the stacked CE_t, p, log p) + 8 BT (T - 1) (the gate
-                          logits and their negation, logsigmoid's inputs)
-      core_step           per loop only its input h_{t-1} (s BTd); region: one loop (blocks + loop norm)
-      blocks              per block only its input; the loop norm, the heads and the gate are not checkpointed
+    The other recurrent-depth methods (Poisson, MoR, RRT, Ouro, RecurTrace) and the Recurrent Transformer: their
+    rows are in launch/memory_methods.py.
 
 Peak = saved + the largest checkpointed region's activations while it is recomputed in backward (its input is
 already counted) — what tests/test_preflight.py measures on the CPU for every model type. The head adds a
@@ -186,6 +159,10 @@ def activation_depth(model_cfg) -> tuple[int, str]:
     if t == "gpt":
         return c.n_layer, "n_layer"
     if t == "grt":
+        k = c.backprop_steps
+        if k is not None and k < c.n_recurrence:
+            return k, (f"k = model.backprop_steps grad steps of the largest sampled depth R = {c.n_recurrence}: its "
+                       f"first R - k steps save nothing")
         return c.n_recurrence, "R, the largest sampled depth"
     if t == "poisson":
         return c.backprop_steps, (f"k = model.backprop_steps grad steps: the depth p is random (mean "
@@ -196,6 +173,10 @@ def activation_depth(model_cfg) -> tuple[int, str]:
         return c.n_recurrence, "N_r recursions"
     if t == "ouro":
         return c.n_recurrence, "T loops, a head and an exit gate at each"
+    if t == "recurtrace":
+        return c.n_recurrence, "R loops (training runs them all), each looped layer reading its earlier loops"
+    if t == "recurrent_transformer":
+        return c.n_layer, "n_layer self-KV layers, positions in order"
     raise ValueError(_unknown(t))
 
 
@@ -260,7 +241,10 @@ def activation_bytes(model_cfg, micro_batch: int, mode: str, a: int = 4, s: int 
         raise ValueError(f"train.activation_checkpointing={mode!r}; use one of {CHECKPOINTING_MODES}")
     x = _Shapes(micro_batch, model_cfg.block_size, model_cfg.d_model, model_cfg.n_head, model_cfg.vocab_size, a, s,
                 chunk_bytes)
-    per_type = {"gpt": _dense, "grt": _grt, "poisson": _poisson, "mor": _mor, "rrt": _rrt, "ouro": _ouro}
+    from launch import memory_methods as m
+
+    per_type = {"gpt": _dense, "grt": _grt, "poisson": m.poisson, "mor": m.mor, "rrt": m.rrt, "ouro": m.ouro,
+                "recurtrace": m.recurtrace, "recurrent_transformer": m.recurrent_transformer}
     if model_cfg.type not in per_type:
         raise ValueError(_unknown(model_cfg.type))
     return per_type[model_cfg.type](model_cfg, x, mode)
@@ -279,119 +263,41 @@ def _grt(c, x: _Shapes, mode: str) -> Activations:
     a, s, BTd = x.a, x.s, x.BTd
     blk_s, blk_a, ln_stats = x.block(s), x.block(a), x.ln_stats()
     embed, head, head_ws = x.embed(), x.mean_head(s), x.mean_head_workspace()
-    R, n_core, outer = c.n_recurrence, c.n_core, c.n_prelude + c.n_coda
+    n_core, outer, n = c.n_core, c.n_prelude + c.n_coda, c.hyper_streams
+    # truncated backprop: the steps before the last k run under no_grad and save nothing (activation_depth)
+    R, free = activation_depth(c)[0], c.backprop_steps is not None and c.backprop_steps < c.n_recurrence
     noisy = c.state_noise == "every_step" and c.sigma_x > 0
     gate = c.gate == "elementwise"
     # One step's own tensors beside its blocks: W_proj's input (the noisy state, or its bf16 cast), and the gate's
     # state h, LN(h), f_g's hidden before and after SiLU, the logits z and the proposal o (saved by the update).
     step_extra = (a * BTd if c.reinject and (noisy or a != s or not gate) else 0)
     step_extra += (s + 5 * a) * BTd + ln_stats if gate else 0
+    # hyper-connections (n streams): per core block the streams entering each sublayer (n each: the stream mixes'
+    # input) and each sublayer's output (scaled by B); the first block's streams are its input expanded (one copy's
+    # worth, no n), and its LN_1 reads a mix of them, not the input
+    hyper = (n_core * (2 * n + 2) - n + 1) * a * BTd if n > 1 else 0
     # Once per forward: LN(h_pre) for f_g's anchor half; h_pre itself unless it is step 1's state (counted there).
-    h_pre_own = 0 if (c.init_state == "prelude" and gate) else s * BTd
+    h_pre_own = 0 if (c.init_state == "prelude" and gate and not free) else s * BTd
     anchor_once = (a * BTd + ln_stats if gate else 0) + h_pre_own
     if mode == "none":
-        saved = embed + outer * blk_s + R * (n_core * blk_a + step_extra) + anchor_once + head
+        saved = embed + outer * blk_s + R * (n_core * blk_a + step_extra + hyper) + anchor_once + head
         return Activations(saved, 0.0, head_ws)
     if mode == "core_step":
         # The checkpoint holds each step's inputs: the state h (h_pre at step 1 when init_state=prelude), h_pre,
         # and the two anchor terms W_a h_pre + b and W1_a LN(h_pre) + b1 that step 1 returns to the others.
         anchors = ((a if c.reinject else 0) + (a if gate else 0)) * BTd
-        h_pre_ckpt = 0 if c.init_state == "prelude" else s * BTd
+        h_pre_ckpt = 0 if c.init_state == "prelude" and not free else s * BTd
         saved = embed + outer * blk_s + R * s * BTd + h_pre_ckpt + anchors + head
         # Recomputing step 1 (the largest: it also computes the anchor terms); its inputs are counted above.
-        region = n_core * blk_a + step_extra - (s * BTd if gate else 0) + (a * BTd + ln_stats if gate else 0)
+        region = n_core * blk_a + step_extra + hyper - (s * BTd if gate else 0) + (a * BTd + ln_stats if gate else 0)
         return Activations(saved, region, head_ws)
-    # blocks: every block keeps only its input; W_proj, the gate and the noise are not checkpointed
-    saved = embed + outer * s * BTd + R * (n_core * a * BTd + step_extra) + anchor_once + head
-    region = max(blk_s - s * BTd if outer else 0, blk_a - a * BTd)
+    # blocks: every block keeps only its input (a hyper-connected core block after the first: its n streams); W_proj,
+    # the gate and the noise are not checkpointed
+    core_inputs = (1 + (n_core - 1) * n) * a * BTd
+    saved = embed + outer * s * BTd + R * (core_inputs + step_extra) + anchor_once + head
+    core_region = blk_a - a * BTd if n == 1 else blk_a + (n + 2) * a * BTd  # its input (x or n streams) held
+    region = max(blk_s - s * BTd if outer else 0, core_region)
     return Activations(saved, region, head_ws)
-
-
-def _poisson(c, x: _Shapes, mode: str) -> Activations:
-    """k grad steps (activation_depth): the no-grad steps before them save nothing. The core's stream is the
-    adapter's output (compute dtype); the coda and the final LN continue it."""
-    a, s, BTd = x.a, x.s, x.BTd
-    k, n_core, blk_a = c.backprop_steps, c.n_core, x.block(a)
-    adapter_in = 2 * a * BTd  # [h, h_pre] (the fp32 concatenation's autocast cast when a != s)
-    outside = x.embed() + x.mean_head(a)
-    prelude, coda = c.n_prelude * x.block(s), c.n_coda * blk_a
-    if mode == "none":
-        return Activations(outside + prelude + k * (adapter_in + n_core * blk_a) + coda, 0.0, x.mean_head_workspace())
-    if mode == "core_step":
-        # the checkpoint holds each grad step's state h (a) and, once, h_pre (s); recomputing a step saves it whole
-        saved = outside + prelude + k * a * BTd + s * BTd + coda
-        return Activations(saved, adapter_in + n_core * blk_a, x.mean_head_workspace())
-    saved = outside + c.n_prelude * s * BTd + k * (adapter_in + n_core * a * BTd) + c.n_coda * a * BTd
-    region = max(x.block(s) - s * BTd if c.n_prelude else 0, blk_a - a * BTd)
-    return Activations(saved, region, x.mean_head_workspace())
-
-
-def _mor(c, x: _Shapes, mode: str) -> Activations:
-    """Recursion r runs the core on its k_r chosen tokens (pipeline/model/mor.py's capacity_tokens)."""
-    from pipeline.model.mor import capacity_tokens
-
-    a, s, B, d, BTd = x.a, x.s, x.B, x.d, x.BTd
-    N, T = c.n_recurrence, x.T
-    chosen = [capacity_tokens(N, r, T) for r in range(N)]
-    candidates = [T] + chosen[:-1]
-
-    def routing(r: int) -> float:
-        """Recursion r's tensors outside its blocks and its input state (the gathers, router, update, aux BCE)."""
-        n, k = candidates[r], chosen[r]
-        gathered = s * B * n * d if r > 0 else 0  # the candidates h[C_r]: the router's input, the chosen's source
-        cast = a * B * n * d if a != s else 0  # the router's own autocast cast of its input
-        small = (2 * a + 8) * B * n + (a + 16) * B * k  # logits, sigmoid, BCE fp32 logits/target; weights, indices
-        return gathered + cast + s * B * k * d + small  # + the core's output (weighted update)
-
-    outside = x.embed() + (c.n_prelude + c.n_coda) * x.block(s) + x.mean_head(s)
-    if mode == "none":
-        saved = outside + sum(s * BTd + routing(r) + c.n_core * x.block(s, chosen[r]) for r in range(N))
-        return Activations(saved, 0.0, x.mean_head_workspace())
-    if mode == "core_step":
-        # held by the checkpoint: each recursion's state h and the previous recursion's indices (int64)
-        saved = outside + N * s * BTd + sum(8 * B * candidates[r] for r in range(1, N))
-        region = max(routing(r) + c.n_core * x.block(s, chosen[r]) for r in range(N))
-        return Activations(saved, region, x.mean_head_workspace())
-    outside = x.embed() + (c.n_prelude + c.n_coda) * s * BTd + x.mean_head(s)
-    saved = outside + sum(s * BTd + routing(r) + c.n_core * s * B * chosen[r] * d for r in range(N))
-    region = max(x.block(s) - s * BTd if c.n_prelude + c.n_coda else 0, x.block(s, chosen[0]) - s * B * chosen[0] * d)
-    return Activations(saved, region, x.mean_head_workspace())
-
-
-def _rrt(c, x: _Shapes, mode: str) -> Activations:
-    """N_r recursions of the n_core LoRA'd blocks, the stream in s throughout."""
-    a, s, BTd = x.a, x.s, x.BTd
-    core = x.block(s) + 4 * a * x.BT * c.lora_rank + (2 * a * BTd if a != s else 0)
-    N, outer = c.n_recurrence, c.n_prelude + c.n_coda
-    outside = x.embed() + x.mean_head(s)
-    if mode == "none":
-        return Activations(outside + outer * x.block(s) + N * c.n_core * core, 0.0, x.mean_head_workspace())
-    if mode == "core_step":
-        saved = outside + outer * x.block(s) + N * s * BTd
-        return Activations(saved, c.n_core * core - s * BTd, x.mean_head_workspace())
-    saved = outside + (outer + N * c.n_core) * s * BTd
-    region = max(x.block(s) - s * BTd if outer else 0, core - s * BTd)
-    return Activations(saved, region, x.mean_head_workspace())
-
-
-def _ouro(c, x: _Shapes, mode: str) -> Activations:
-    """T loops of the n_layer blocks and the loop norm, a per-token head at every loop, T - 1 exit gates."""
-    a, s, B, BT, BTd = x.a, x.s, x.B, x.BT, x.BTd
-    L, T_loops = c.n_layer, c.n_recurrence
-    gate_casts = (T_loops - 1) * a * BTd if a != s else 0
-    per_loop = s * BTd + x.ln_stats() + 4 * BT  # loop norm input and statistics, the CE's logsumexp
-    loss = 12 * BT * T_loops + 8 * BT * (T_loops - 1)
-    outside = x.embed() + s * BTd + 8 * BT + gate_casts + loss  # + h_T and the targets, saved by the last CE
-    # the per-token CE's backward (once per loop): a recomputed chunk of logits (fp32 + its compute-dtype softmax),
-    # dL/dW in fp32 with one chunk's product, dL/dh, the weight cast
-    workspace = x.chunk_rows() * x.V * (4 + a) + 8 * x.V * x.d + s * BTd + x.weight_cast()
-    if mode == "none":
-        return Activations(outside + T_loops * (L * x.block(s) + per_loop), 0.0, workspace)
-    if mode == "core_step":
-        saved = outside + T_loops * (s * BTd + 4 * BT)  # the checkpoint holds each loop's input h_{t-1}
-        return Activations(saved, L * x.block(s) + x.ln_stats(), workspace)
-    saved = outside + T_loops * (L * s * BTd + per_loop)
-    return Activations(saved, x.block(s) - s * BTd, workspace)
 
 
 # ------------------------------------------------------------------------------------------------ the estimate

@@ -48,7 +48,7 @@ def _chunk_backward(logits, lse, tcl, row_scale, hc, w, grad_h_rows, grad_w, com
 
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h, weight, targets, compute_dtype, chunk):
+    def forward(ctx, h, weight, targets, compute_dtype, chunk, token_losses=None):
         with torch.autocast(h.device.type, enabled=False):
             w = weight.to(compute_dtype)
             valid_all = targets != IGNORE
@@ -63,7 +63,10 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 tcl = tc.clamp(min=0)
                 logits = (hc @ w.t()).to(acc)
                 lse = torch.logsumexp(logits, dim=-1)
-                loss += ((lse - logits.gather(1, tcl[:, None]).squeeze(1)) * valid).sum()
+                ce = (lse - logits.gather(1, tcl[:, None]).squeeze(1)) * valid
+                loss += ce.sum()
+                if token_losses is not None:
+                    token_losses[s:s + chunk] = ce
                 _chunk_backward(logits, lse, tcl, valid, hc, w, grad_h[s:s + chunk], grad_w, compute_dtype)
         ctx.save_for_backward(grad_h, grad_w)
         ctx.n = n
@@ -74,7 +77,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_out):
         grad_h, grad_w = ctx.saved_tensors
         scale = grad_out / ctx.n
-        return (grad_h * scale.to(grad_h.dtype), (grad_w * scale).to(ctx.weight_dtype), None, None, None)
+        return (grad_h * scale.to(grad_h.dtype), (grad_w * scale).to(ctx.weight_dtype), None, None, None, None)
 
 
 def _token_losses(h, weight, targets, compute_dtype, chunk):
@@ -130,14 +133,21 @@ def _loss_only(h, weight, targets, compute_dtype, chunk):
 
 
 def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-                         chunk: int | None = None, reduction: str = "mean") -> torch.Tensor:
+                         chunk: int | None = None, reduction: str = "mean",
+                         token_losses: torch.Tensor | None = None) -> torch.Tensor:
     """Cross-entropy (nats; fp32, or fp64 for fp64 inputs) of ``h @ weight.T`` against ``targets``: the mean over
     the non-ignored tokens (``reduction="mean"``), or each token's own (``"none"``, shaped like ``targets``, 0 where
     ignored).
 
-    ``h``: [..., d]; ``weight``: [vocab, d]; ``targets``: [...] with -1 = ignored."""
+    ``h``: [..., d]; ``weight``: [vocab, d]; ``targets``: [...] with -1 = ignored. ``token_losses`` (mean only): a
+    tensor shaped like ``targets`` that receives each token's CE, detached (0 where ignored), at no extra head
+    matmul: a loss that also needs the per-token values without their gradient (RecurTrace's halting oracle)."""
     if reduction not in ("mean", "none"):
         raise ValueError(f"reduction must be 'mean' or 'none', got {reduction!r}")
+    if token_losses is not None and (reduction != "mean" or token_losses.shape != targets.shape):
+        raise ValueError(f"token_losses must be shaped like targets {tuple(targets.shape)} (got "
+                         f"{tuple(token_losses.shape)}) and goes with reduction='mean'; with 'none' the losses are "
+                         f"the result")
     d = h.shape[-1]
     h2, t2 = h.reshape(-1, d), targets.reshape(-1)
     chunk = chunk or _chunk_rows(weight.shape[0], h.device)
@@ -148,6 +158,12 @@ def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.T
             return _LinearCrossEntropyPerToken.apply(h2, weight, t2, cdt, chunk).view(targets.shape)
         with torch.no_grad():
             return _token_losses(h2, weight, t2, cdt, chunk)[0].view(targets.shape)
+    out = None if token_losses is None else token_losses.view(-1)
     if grad:
-        return _LinearCrossEntropy.apply(h2, weight, t2, cdt, chunk)
+        return _LinearCrossEntropy.apply(h2, weight, t2, cdt, chunk, out)
+    if out is not None:
+        with torch.no_grad():
+            losses = _token_losses(h2, weight, t2, cdt, chunk)[0]
+            out.copy_(losses)
+            return losses.sum() / (t2 != IGNORE).sum().clamp(min=1)
     return _loss_only(h2, weight, t2, cdt, chunk)

@@ -1,4 +1,4 @@
-"""`grt tokenize|train|eval|run|sweep|info|compare|paper-table|export|generate` — thin: parse, build, call."""
+"""`grt tokenize|train|eval|run|sweep|info|compare|fit-phi|paper-table|export|generate` — thin: parse, build, call."""
 from __future__ import annotations
 
 import argparse
@@ -125,7 +125,7 @@ def cmd_sweep(args) -> int:
     """`grt run` on every recipe of a folder (pipeline/sweep.py), then a summary table."""
     from pipeline.sweep import sweep_command
 
-    return sweep_command(args.folder, args.overrides, args.data, args.dry_run)
+    return sweep_command(args.folder, args.overrides, args.data, args.dry_run, rerun=args.rerun)
 
 
 def cmd_paper_table(args) -> int:
@@ -141,16 +141,47 @@ def cmd_paper_table(args) -> int:
     return 0
 
 
-def cmd_compare(args) -> int:
-    from pipeline.eval.compare import compare
-    from pipeline.tracking import resolve_uri
-
+def parse_tags(given: list[str] | None) -> dict[str, str]:
     tags = {}
-    for t in args.tag or []:
+    for t in given or []:
         key, sep, value = t.partition("=")
         if not sep or not key:
             raise ValueError(f"--tag {t!r}: write it as key=value")
         tags[key] = value
+    return tags
+
+
+def cmd_fit_phi(args) -> int:
+    """Fit the recurrence-equivalence law over evaluated runs: phi with its bootstrap interval, JSON and a plot."""
+    from pathlib import Path
+
+    from pipeline.eval.compare import collect
+    from pipeline.eval.phi import fit_phi, plot_fit, runs_from_results
+
+    experiments = args.experiment or [TrackingConfig.experiment]
+    tracking = TrackingConfig(uri=args.tracking_uri, experiment=experiments[0])
+    runs = runs_from_results(collect(args.runs, tracking, experiments, parse_tags(args.tag)), args.with_embeddings)
+    fit = fit_phi(runs, n_boot=args.boot, seed=args.seed)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = [vars(x) for x in runs]
+    (out / "phi.json").write_text(json.dumps({"params": fit.params, "ci95": fit.ci, "n_boot": fit.n_boot,
+                                              "objective": fit.objective, "runs": rows,
+                                              "with_embeddings": args.with_embeddings}, indent=1))
+    plot_fit(fit, runs, out / "phi.png")
+    lo, hi = fit.ci.get("phi", (float("nan"), float("nan")))
+    print(f"phi = {fit.params['phi']:.3f} (95% bootstrap CI {lo:.3f} to {hi:.3f}, {fit.n_boot} refits) over "
+          f"{len(runs)} runs, r in {sorted({x.r for x in runs})}")
+    print("  " + ", ".join(f"{k} {v:.4g}" for k, v in fit.params.items() if k != "phi"))
+    print(f"  saved {out / 'phi.json'}, {out / 'phi.png'}")
+    return 0
+
+
+def cmd_compare(args) -> int:
+    from pipeline.eval.compare import compare
+    from pipeline.tracking import resolve_uri
+
+    tags = parse_tags(args.tag)
     experiments = args.experiment or [TrackingConfig.experiment]
     tracking = TrackingConfig(uri=args.tracking_uri, experiment=experiments[0])
     text, plot = compare(args.runs, tracking, args.out, args.format, experiments, tags)
@@ -183,6 +214,15 @@ def cmd_generate(args) -> int:
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         return USAGE
+
+
+def add_run_selection(s: argparse.ArgumentParser, tag_help: str) -> None:
+    """The runs a command reads from MLflow: names/ids or folders, the tracking URI, experiments and tags."""
+    s.add_argument("runs", nargs="*", help="MLflow run names/ids or run folders (default: all evaluated runs)")
+    s.add_argument("--tracking-uri", default=TrackingConfig.uri)
+    s.add_argument("--experiment", action="append", default=None,
+                   help=f"MLflow experiment to search (repeatable; default {TrackingConfig.experiment})")
+    s.add_argument("--tag", action="append", default=None, metavar="KEY=VALUE", help=tag_help)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -223,12 +263,7 @@ def build_parser() -> argparse.ArgumentParser:
                                                 "eval.tasks=[piqa,arc_easy] eval.task_depths=[2,4,8]")
     s.set_defaults(fn=cmd_eval)
     s = sub.add_parser("compare", help="early-exit and downstream tables + early-exit overlays of evaluated runs")
-    s.add_argument("runs", nargs="*", help="MLflow run names/ids or run folders (default: all evaluated runs)")
-    s.add_argument("--tracking-uri", default=TrackingConfig.uri)
-    s.add_argument("--experiment", action="append", default=None,
-                   help=f"MLflow experiment to search (repeatable; default {TrackingConfig.experiment})")
-    s.add_argument("--tag", action="append", default=None, metavar="KEY=VALUE",
-                   help="only runs with this MLflow tag (repeatable; set them with tracking.tags in the recipe)")
+    add_run_selection(s, "only runs with this MLflow tag (repeatable; set them with tracking.tags in the recipe)")
     s.add_argument("--format", default="table", choices=["table", "markdown", "csv", "json"])
     s.add_argument("--out", default="runs/compare", help="folder for the overlay plot and the table file")
     s.set_defaults(fn=cmd_compare)
@@ -240,7 +275,19 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--data", metavar="DATA_RECIPE", default=None,
                    help="a data recipe whose data: section replaces every recipe's (as grt run --data)")
     s.add_argument("--dry-run", action="store_true", help="list the recipes, their models and tags; run nothing")
+    s.add_argument("--rerun", action="store_true",
+                   help="also run the recipes whose run is already trained to max_steps and evaluated (skipped "
+                        "otherwise, so the same command continues an interrupted sweep)")
     s.set_defaults(fn=cmd_sweep)
+    s = sub.add_parser("fit-phi", help="the recurrence-equivalence exponent phi of L = E + A (N_once + r^phi "
+                                       "N_rec)^-alpha + B D^-beta over evaluated runs (docs/related.md)")
+    add_run_selection(s, "only runs with this MLflow tag (repeatable; e.g. sweep=phi, set by grt sweep)")
+    s.add_argument("--boot", type=int, default=200, help="bootstrap refits for the confidence intervals")
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--with-embeddings", action="store_true",
+                   help="count the embeddings in N_once (default: non-embedding parameters)")
+    s.add_argument("--out", default="runs/phi", help="folder for phi.json and phi.png")
+    s.set_defaults(fn=cmd_fit_phi)
     s = sub.add_parser("paper-table", help="the paper's Table 1 / Table 2 / Figure 5 (and Appendix B sweep) numbers "
                                            "beside the matching MLflow runs, with the deltas")
     s.add_argument("--tracking-uri", default=TrackingConfig.uri)

@@ -66,6 +66,25 @@ class GPTConfig(ModelConfig):
 
 
 @dataclass
+class RecurrentTransformerConfig(GPTConfig):
+    """Recurrent Transformer (layer-wise self-KV memory): GPT-2 whose layer l attends to keys/values computed from
+    layer l's own outputs at earlier positions (pipeline/model/recurrent_transformer.py)."""
+
+    type: str = "recurrent_transformer"
+    prefill: str = "tiled"  # tiled: the exact divide-and-conquer algorithm; reference: token by token
+    tile: int = 64  # positions per tile of the tiled algorithm
+    own_key: str = "input"  # input: position t also attends to its own input's key/value; none: only earlier outputs
+
+    def validate(self) -> list[str]:
+        p = super().validate() + _at_least(self, "model", ("tile",), 1)
+        if self.prefill not in ("tiled", "reference"):
+            p.append(f"model.prefill must be tiled or reference, got {self.prefill!r}")
+        if self.own_key not in ("input", "none"):
+            p.append(f"model.own_key must be input or none, got {self.own_key!r}")
+        return p
+
+
+@dataclass
 class RecurrentConfig(ModelConfig):
     """The layout every recurrent-depth model here shares, shorthand ``n_prelude + n_core x n_recurrence + n_coda``:
     prelude blocks run once, a core of ``n_core`` blocks looped ``n_recurrence`` times, coda blocks."""
@@ -89,6 +108,9 @@ class GRTConfig(RecurrentConfig):
     # Ablation switches (paper Fig. 5 / Table 7). All on = full GRT.
     reinject: bool = True  # h~ = W_proj([h + eps_x, h_pre]); off: h~ = h + eps_x
     gate: str = "elementwise"  # elementwise: h = g*h + (1-g)*o ; none: h = o
+    # n parallel residual streams inside the looped core, mixed by static hyper-connections (Zhu et al. 2024,
+    # pipeline/model/hyper_connections.py); 1: off, the plain residual core
+    hyper_streams: int = 1
     state_noise: str = "every_step"  # every_step | init (once, on h^(0)) | none
     sigma_x: float = 0.1  # paper §4: state noise
     sigma_g: float = 0.1  # paper §4: gate noise
@@ -96,14 +118,23 @@ class GRTConfig(RecurrentConfig):
     gate_bias_init: float = 4.0  # paper §3.3: +4 -> g ~ sigmoid(4) = 0.982 at init
     init_state: str = "prelude"  # h^(0): prelude | zeros | noise (see pipeline/model/grt.py)
     depth_sampling: str = "uniform"  # training depth: uniform r ~ U{1..R} (paper §3.4) | fixed (always R)
+    # truncated backprop: in training only the last k recurrence steps get gradient (the first max(r - k, 0) run under
+    # no_grad), as Poisson's k; null: every step. train.bptt_k sets it (see _resolve_bptt)
+    backprop_steps: Optional[int] = None
 
     def validate(self) -> list[str]:
         p = super().validate()
+        if self.backprop_steps is not None and self.backprop_steps < 1:
+            p.append(f"model.backprop_steps must be >= 1 (or null: backprop through every step), got "
+                     f"{self.backprop_steps}")
         p += _choice("model.gate", self.gate, ["elementwise", "none"])
         p += _choice("model.state_noise", self.state_noise, ["every_step", "init", "none"])
         p += _choice("model.init_state", self.init_state, ["prelude", "zeros", "noise"])
         p += _choice("model.depth_sampling", self.depth_sampling, ["uniform", "fixed"])
         p += _at_least(self, "model", ("sigma_x", "sigma_g"), 0)
+        if self.hyper_streams < 1:
+            p.append(f"model.hyper_streams must be >= 1 (1: the plain residual core; n > 1: n hyper-connected "
+                     f"streams), got {self.hyper_streams}")
         if self.tau <= 0:
             p.append(f"model.tau must be > 0, got {self.tau}")
         return p
@@ -154,6 +185,39 @@ class MoRConfig(RecurrentConfig):
 
     def max_depth(self) -> Optional[int]:
         return self.n_recurrence  # recursion r has capacity (N_r - r + 1)/N_r: none is left after N_r
+
+
+@dataclass
+class RecurTraceConfig(RecurrentConfig):
+    """RecurTrace (companion abstract): a looped middle block whose layers also attend over their own states of the
+    earlier iterations (Loop Memory Attention), and a halting head trained from an oracle of when one more iteration
+    still lowers the loss (pipeline/model/recurtrace.py)."""
+
+    type: str = "recurtrace"
+    n_prelude: int = 1
+    n_core: int = 1
+    n_coda: int = 1
+    n_recurrence: int = 4  # the most loops (training runs all of them)
+    loop_memory: str = "union"  # union: one softmax over positions and earlier iterations; separate: two, added; none
+    halt_coef: float = 0.1  # weight of the halting head's BCE against the oracle
+    halt_threshold: float = 0.5  # inference: stop when P(continue) < threshold (0: never stop; 1: after one loop)
+    halt_mode: str = "token"  # token: each token stops on its own; sequence: all stop when the mean P(continue) does
+    halt_detach: bool = True  # the halting head reads a detached state (it learns to read the trunk, not steer it)
+
+    def validate(self) -> list[str]:
+        p = super().validate()
+        if self.loop_memory not in ("union", "separate", "none"):
+            p.append(f"model.loop_memory must be union, separate or none, got {self.loop_memory!r}")
+        if self.halt_coef < 0:
+            p.append(f"model.halt_coef must be >= 0, got {self.halt_coef}")
+        if not 0.0 <= self.halt_threshold <= 1.0:
+            p.append(f"model.halt_threshold must be in [0, 1], got {self.halt_threshold}")
+        if self.halt_mode not in ("token", "sequence"):
+            p.append(f"model.halt_mode must be token or sequence, got {self.halt_mode!r}")
+        return p
+
+    def max_depth(self) -> Optional[int]:
+        return None
 
 
 @dataclass
@@ -318,6 +382,9 @@ class TrainConfig:
     # (seed, step, micro-step index) as the paper's Algorithm 1 draws r inside every forward. Every rank at the same
     # micro-step runs the same r (FSDP / ZeRO-3 stay in step), so which samples meet which r depends on world size.
     depth_granularity: str = "step"
+    # truncated backprop through time: only the last k recurrence steps of a training forward get gradient (the
+    # abstract's "truncated backpropagation"); the run's model.backprop_steps (grt, poisson). null: the model's own
+    bptt_k: Optional[int] = None
 
     def validate(self) -> list[str]:
         p = _choice("train.backend", self.backend, ["single", "ddp", "fsdp", "deepspeed"])
@@ -342,6 +409,8 @@ class TrainConfig:
                                         "eval_interval", "eval_batches", "checkpoint_interval", "keep_checkpoints",
                                         "collective_timeout_s", "max_bad_steps"), 1)
         p += _at_least(self, "train", ("warmup_steps",), 0)
+        if self.bptt_k is not None and self.bptt_k < 1:
+            p.append(f"train.bptt_k must be >= 1 (or null: the model's own backprop_steps), got {self.bptt_k}")
         if self.lr <= 0 or self.min_lr < 0 or self.min_lr > self.lr:
             p.append(f"train.lr={self.lr} / train.min_lr={self.min_lr}: need 0 <= min_lr <= lr and lr > 0")
         if self.grad_clip < 0:
@@ -596,9 +665,27 @@ def _coerce(tp: Any, value: Any, where: str, problems: list[str]) -> Any:
     return value
 
 
+def _resolve_bptt(cfg: RunConfig, data: dict) -> list[str]:
+    """train.bptt_k is the run-level name of truncated backprop: it becomes model.backprop_steps of the models that
+    truncate (grt, poisson), so the model reads one field whichever key the recipe used."""
+    k = cfg.train.bptt_k
+    if k is None or k < 1:
+        return []
+    if not hasattr(cfg.model, "backprop_steps"):
+        return [f"train.bptt_k={k}: model.type={cfg.model.type} has no truncated backprop (grt and poisson do); "
+                f"remove train.bptt_k"]
+    model = data.get("model") if isinstance(data, dict) else None
+    given = model.get("backprop_steps") if isinstance(model, dict) else None
+    if given is not None and given != k:
+        return [f"train.bptt_k={k} and model.backprop_steps={given} disagree: they are the same k; set one of them"]
+    cfg.model.backprop_steps = k
+    return []
+
+
 def from_dict(data: dict, source: str = "recipe") -> RunConfig:
     problems: list[str] = []
     cfg = _build(RunConfig, data, "", problems)
+    problems += _resolve_bptt(cfg, data)
     # Validate even when the structure had problems, so that the user sees everything at once; skip messages about
     # keys already reported (their values were replaced by placeholders).
     reported = {m.split("'")[1] if m.startswith("unknown key") else m.split(" ")[0] for m in problems}

@@ -27,7 +27,8 @@ Runner = Callable[[str, list, Optional[str]], object]
 
 @dataclass
 class SweepRow:
-    """One recipe of a sweep: ``status`` ok | failed | stopped | not run (after a stop) | dry run."""
+    """One recipe of a sweep: ``status`` ok | done before (finished and evaluated by an earlier sweep, skipped) |
+    failed | stopped | not run (after a stop) | dry run."""
 
     recipe: str
     name: str = "-"
@@ -77,16 +78,44 @@ def _val_loss(cfg) -> Optional[float]:
         return None
 
 
+def finished(cfg) -> tuple[bool, str]:
+    """(True, "") when `grt eval` last evaluated this run (runs/NAME/eval/exits.json) at the recipe's max_steps, from
+    a checkpoint trained with exactly this recipe; else (False, why not) — a run evaluated earlier, or whose recipe
+    changed since, is run again (it resumes from its checkpoint), so a stale result is never taken for this recipe's."""
+    import yaml
+
+    from pipeline.train.run_folder import recipe_changes
+
+    try:
+        exits = json.loads((cfg.run_dir / "eval" / "exits.json").read_text())
+        step, ckpt = int(exits["step"]), Path(exits["checkpoint"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return False, ""  # never evaluated
+    if step != cfg.train.max_steps:
+        return False, f"evaluated at step {step} of {cfg.train.max_steps}"
+    try:
+        saved = yaml.safe_load(((ckpt.parent if ckpt.is_file() else ckpt) / "recipe.yaml").read_text())
+    except (OSError, yaml.YAMLError):
+        return False, f"the evaluated checkpoint's recipe is not readable ({ckpt})"
+    changes = recipe_changes(saved if isinstance(saved, dict) else {}, cfg.to_dict())
+    if changes:
+        more = " ..." if len(changes) > 3 else ""
+        return False, f"the recipe changed since its checkpoint ({'; '.join(changes[:3])}{more})"
+    return True, ""
+
+
 def _one_line(e: BaseException) -> str:
     text = str(e).strip() or type(e).__name__
     return " | ".join(line.strip() for line in text.splitlines() if line.strip())
 
 
 def run_sweep(folder: str | Path, overrides: list | None = None, data: Optional[str] = None,
-              dry_run: bool = False, runner: Runner = run_recipe) -> list[SweepRow]:
+              dry_run: bool = False, runner: Runner = run_recipe, rerun: bool = False) -> list[SweepRow]:
     """Run every recipe of ``folder`` with ``overrides`` (after the sweep tag, so they may change it) and return one
-    :class:`SweepRow` each. Failures are caught per recipe (printed as they happen); a stop (TrainingStopped,
-    KeyboardInterrupt) is raised after the summary is printed, with the remaining recipes marked "not run"."""
+    :class:`SweepRow` each. A run already trained to its max_steps and evaluated there is skipped ("done before")
+    unless ``rerun``, so the same command continues an interrupted sweep. Failures are caught per recipe (printed
+    as they happen); a stop (TrainingStopped, KeyboardInterrupt) is raised after the summary is printed, with the
+    remaining recipes marked "not run"."""
     from pipeline.config import load_recipe
 
     recipes = sweep_recipes(folder)
@@ -102,8 +131,18 @@ def run_sweep(folder: str | Path, overrides: list | None = None, data: Optional[
                 row.status = "dry run"
                 print(f"{i}. {path} -> {cfg.name}: {_describe(cfg)}")
                 continue
+            done, why = finished(cfg) if not rerun else (False, "")
+            if done:
+                row.status, row.val_loss = "done before", _val_loss(cfg)
+                if main:
+                    print(f"=== sweep {sweep_tag(folder)} [{i}/{len(recipes)}]: {cfg.name} trained and evaluated at "
+                          f"step {cfg.train.max_steps} already ({cfg.run_dir}): skipped (--rerun runs it again)",
+                          flush=True)
+                continue
             if main:
-                print(f"\n=== sweep {sweep_tag(folder)} [{i}/{len(recipes)}]: {path} -> run {cfg.name}", flush=True)
+                again = f" ({why}: running it again)" if why else ""
+                print(f"\n=== sweep {sweep_tag(folder)} [{i}/{len(recipes)}]: {path} -> run {cfg.name}{again}",
+                      flush=True)
             runner(str(path), overrides, data)
             row.status, row.val_loss = "ok", _val_loss(cfg)
         except (TrainingStopped, KeyboardInterrupt):
@@ -142,7 +181,9 @@ def summary_table(rows: list[SweepRow], folder: str | Path) -> str:
     line = lambda cells: "  ".join(c.rjust(w) if i >= 3 else c.ljust(w)  # noqa: E731
                                    for i, (c, w) in enumerate(zip(cells, widths)))
     failed = [r for r in rows if r.status == "failed"]
-    out = [f"\nsweep {sweep_tag(folder)}: {sum(r.status == 'ok' for r in rows)} ok, {len(failed)} failed, "
+    done = sum(r.status == "done before" for r in rows)
+    out = [f"\nsweep {sweep_tag(folder)}: {sum(r.status == 'ok' for r in rows)} ok"
+           + (f" (+{done} done before)" if done else "") + f", {len(failed)} failed, "
            f"{sum(r.status in ('stopped', 'not run') for r in rows)} not finished of {len(rows)}",
            line(head), "  ".join("-" * w for w in widths)] + [line(b) for b in body]
     out += [f"  {Path(r.recipe).name}: {r.error}" for r in failed]
@@ -152,9 +193,9 @@ def summary_table(rows: list[SweepRow], folder: str | Path) -> str:
 
 
 def sweep_command(folder: str, overrides: list, data: Optional[str] = None, dry_run: bool = False,
-                  runner: Runner = run_recipe) -> int:
+                  runner: Runner = run_recipe, rerun: bool = False) -> int:
     """`grt sweep`: run (or list, ``dry_run``) and print the summary; 0 when every recipe ran, 1 when any failed."""
-    rows = run_sweep(folder, overrides, data, dry_run, runner)
+    rows = run_sweep(folder, overrides, data, dry_run, runner, rerun)
     if dry_run:
         ready = sum(r.status == "dry run" for r in rows)
         print(f"{ready} of {len(rows)} recipe(s) would run, each tagged sweep={sweep_tag(folder)} (dry run: nothing "

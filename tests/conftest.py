@@ -65,6 +65,29 @@ def tiny_recipe(tmp: Path, corpus: Path, model: dict | None = None, **sections) 
     return recipe
 
 
+def model_recipes(tmp: Path, models: dict, train: dict, eval_max_steps: dict | None = None) -> dict[str, Path]:
+    """One tiny recipe per entry of ``models`` (d 32, 2 heads, context 32, the model section's keys over that) with
+    ``train`` settings, written as tmp/NAME.yaml over one tokenized corpus; ``eval_max_steps``: the exit curve's end
+    per model name (default: the model's own). The multi-process method tests share it."""
+    import yaml
+
+    from pipeline.tokenize import tokenize
+
+    corpus = make_corpus(tmp / "corpus", n_docs=90)
+    out = {}
+    for name, model in models.items():
+        recipe = tiny_recipe(tmp, corpus)
+        recipe["model"] = {"block_size": 32, "d_model": 32, "n_head": 2, **model}
+        recipe["train"].update(log_interval=1, collective_timeout_s=30, **train)
+        recipe["eval"].update(diagnostics=False)
+        if name in (eval_max_steps or {}):
+            recipe["eval"]["max_steps"] = eval_max_steps[name]
+        out[name] = tmp / f"{name}.yaml"
+        out[name].write_text(yaml.safe_dump(recipe))
+    tokenize(from_dict(yaml.safe_load(next(iter(out.values())).read_text())).data, quiet=True)
+    return out
+
+
 @pytest.fixture
 def tiny(tmp_path, corpus):
     def build(model=None, **sections):

@@ -394,6 +394,12 @@ def test_unsupported_type_and_foreign_out_folder_are_refused(tmp_path):
     with pytest.raises(ValueError, match=r"supports model.type grt and gpt .*'poisson'"):
         export_hf(cfg.run_dir, tmp_path / "out")
     assert not (tmp_path / "out").exists()
+    _, hyper = save_run(tmp_path / "h", {"type": "grt", "vocab_size": 64, "block_size": 16, "d_model": 16,
+                                         "n_head": 2, "n_prelude": 1, "n_core": 1, "n_coda": 1, "n_recurrence": 2,
+                                         "hyper_streams": 2}, "full", seed=0)
+    with pytest.raises(ValueError, match=r"hyper-connections \(model.hyper_streams=2\).*--to safetensors"):
+        export_hf(hyper.run_dir, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine" / "notes.txt").write_text("keep")
     with pytest.raises(FileExistsError, match="not an earlier `grt export`"):

@@ -14,9 +14,8 @@ import math
 import subprocess
 
 import pytest
-import yaml
 
-from conftest import make_corpus, step_losses, subprocess_env, tiny_recipe
+from conftest import model_recipes, step_losses, subprocess_env
 from test_distributed import REPO, command, run
 
 pytestmark = pytest.mark.slow
@@ -37,25 +36,9 @@ SHARDED = ["ddp", "fsdp", "zero3"]
 @pytest.fixture(scope="module")
 def recipes(tmp_path_factory):
     """One recipe per method over one tokenized corpus."""
-    from pipeline.config import from_dict
-    from pipeline.tokenize import tokenize
-
     tmp = tmp_path_factory.mktemp("methods")
-    corpus = make_corpus(tmp / "corpus", n_docs=90)
-    out = {}
-    for name, model in METHODS.items():
-        recipe = tiny_recipe(tmp, corpus)
-        recipe["model"] = {"block_size": 32, "d_model": 32, "n_head": 2, **model}
-        recipe["train"].update(micro_batch_size=2, grad_accum_steps=4, log_interval=1, max_steps=STEPS,
-                               checkpoint_interval=CKPT_EVERY, eval_interval=5, collective_timeout_s=30)
-        recipe["eval"].update(diagnostics=False)
-        if name == "mor":
-            recipe["eval"]["max_steps"] = 3
-        path = tmp / f"{name}.yaml"
-        path.write_text(yaml.safe_dump(recipe))
-        out[name] = path
-    tokenize(from_dict(yaml.safe_load(out["poisson"].read_text())).data, quiet=True)
-    return tmp, out
+    return tmp, model_recipes(tmp, METHODS, dict(micro_batch_size=2, grad_accum_steps=4, max_steps=STEPS,
+                                                 checkpoint_interval=CKPT_EVERY, eval_interval=5), {"mor": 3})
 
 
 def killed_then_resumed(backend: str, recipe, name: str) -> None:

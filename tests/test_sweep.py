@@ -8,7 +8,7 @@ import yaml
 
 from pipeline.cli import main
 from pipeline.config import load_recipe
-from pipeline.sweep import run_sweep, sweep_command, sweep_recipes
+from pipeline.sweep import run_sweep, sweep_command, sweep_recipes, tag_override
 
 from conftest import tiny_recipe
 
@@ -188,3 +188,35 @@ def test_ablation_row_2_keeps_row_3s_block_executions():
     medium2, medium3 = shape("medium-2k/2-recurrence.yaml"), shape("medium-2k/3-prelude-coda.yaml")
     assert medium2 == (0, 6, 4, 0) and medium3 == (2, 5, 4, 2)
     assert executions(medium2) == executions(medium3) == 24 and medium2[2] == medium3[2] == 4
+
+
+def test_a_finished_and_evaluated_run_is_skipped_unless_rerun(sweep_folder, capsys):
+    """run-a trained to its max_steps and evaluated there (eval/exits.json at that step, its checkpoint's recipe.yaml
+    this recipe) is skipped, so the same command continues an interrupted sweep; run-d evaluated at an earlier step
+    (stopped before the end) runs; run-c evaluated at max_steps from a checkpoint of another recipe (a changed lr)
+    runs again, saying why; --rerun runs every one."""
+    import yaml
+
+    cfgs = {k: load_recipe(sweep_folder / f"{k}.yaml", [tag_override(sweep_folder)]) for k in "acd"}
+    cfgs["c"].train.lr *= 2  # the checkpoint of c was trained with another lr
+    for k, step in (("a", cfgs["a"].train.max_steps), ("c", cfgs["c"].train.max_steps),
+                    ("d", cfgs["d"].train.max_steps - 1)):
+        ckpt = cfgs[k].run_dir / "checkpoints" / f"step_{step:08d}"
+        ckpt.mkdir(parents=True)
+        (ckpt / "recipe.yaml").write_text(yaml.safe_dump(cfgs[k].to_dict()))
+        (cfgs[k].run_dir / "eval").mkdir(parents=True)
+        (cfgs[k].run_dir / "eval" / "exits.json").write_text(
+            json.dumps({"step": step, "val_loss": 3.25, "checkpoint": str(ckpt / "state.pt")}))
+        (ckpt / "state.pt").write_bytes(b"")
+    calls = []
+    rows = run_sweep(sweep_folder, runner=lambda recipe, *a: calls.append(Path(recipe).name))
+    assert calls == ["c.yaml", "d.yaml"]  # b.yaml fails to load (its unknown key), a.yaml is done
+    assert rows[0].status == "done before" and rows[0].val_loss == 3.25
+    out = capsys.readouterr().out
+    assert "run-a trained and evaluated at step" in out
+    assert f"(the recipe changed since its checkpoint (train.lr: {cfgs['c'].train.lr!r} -> " in out
+    last = cfgs["d"].train.max_steps
+    assert f"(evaluated at step {last - 1} of {last}: running it again)" in out
+    calls.clear()
+    run_sweep(sweep_folder, runner=lambda recipe, *a: calls.append(Path(recipe).name), rerun=True)
+    assert calls == ["a.yaml", "c.yaml", "d.yaml"]

@@ -51,8 +51,10 @@ def test_ids_match_on_real_web_text():
 
 
 def test_identity_is_offline_and_stable():
+    """The identity states what the built encoding has (it is written without building it)."""
     ident = tokenizer_identity()
     assert ident["name"] == "gpt2" and ident["eot_id"] == 50256 and len(ident["vocab_hash"]) == 64
+    assert (ident["n_vocab"], ident["eot_id"]) == (gpt2_encoding().n_vocab, gpt2_encoding().eot_token)
 
 
 def test_tokenize_writes_verifiable_shards(tmp_path, corpus):

@@ -363,12 +363,12 @@ except (OSError, AttributeError):
 from pathlib import Path
 from pipeline.config import DataConfig, SourceConfig
 from pipeline.tokenize import tokenize
-from pipeline.tokenize.bpe import tokenizer_identity
+from pipeline.tokenize.bpe import gpt2_encoding, tokenizer_identity
 
 def status_kb(key):
     return int(re.search(key + r":\\s+(\\d+)", Path("/proc/self/status").read_text()).group(1))
 
-tokenizer_identity()  # the BPE ranks are loaded before the baseline, as the job loads them before its first batch
+tokenizer_identity(), gpt2_encoding()  # the BPE ranks are loaded before the baseline, as the job loads them first
 before = status_kb("VmRSS")
 Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM (the peak) to the current RSS
 tokenize(DataConfig(sources=[SourceConfig(paths=[sys.argv[1]])], dataset_dir=sys.argv[2], shard_tokens=1 << 20),

@@ -8,9 +8,12 @@
   loss is read at its exit loop out of one pass where every token ran every loop, so a token's later loops still
   saw the deeper states of earlier tokens that had exited: the rule's read-out loss, not that of a decoder that
   stops computing exited tokens (which would have to supply their missing keys and values somehow), and the FLOPs
-  are what such a decoder would run.
+  are what such a decoder would run;
+- RecurTrace: its halting rule at thresholds 0, 0.25, 0.5, 0.75, 1 and the recipe's: loss, mean loops per token (of
+  at most n_recurrence) and FLOPs per token. Here a halted token does stop computing (it offers its last K/V to the
+  others, pipeline/model/recurtrace.py), so the loss is that of such a decoder, cached or not.
 
-Both from one extra pass over the same validation batches as the exit curve.
+Each from extra passes over the same validation batches as the exit curve (one; RecurTrace one per threshold).
 """
 from __future__ import annotations
 
@@ -93,12 +96,50 @@ def ouro_report(model, cfg, batches, device) -> dict:
     return {"loop": loops, "exit_probability": (p_sum / tokens).tolist(), "q_exit": rows, "val_tokens": tokens}
 
 
+HALT_THRESHOLDS = (0.0, 0.25, 0.5, 0.75, 1.0)  # RecurTrace: the recipe's threshold is added to these
+
+
+@torch.no_grad()
+def recurtrace_report(model, cfg, batches, device) -> dict:
+    """RecurTrace's halting at several thresholds (the recipe's among them): validation loss with per-token (or
+    per-row, halt_mode) stopping, the mean loops per scored token (of at most n_recurrence) and the FLOPs per token
+    of a decoder that runs each token only through its loops; threshold 0 runs every loop, 1 stops after the first."""
+    import dataclasses
+
+    cls = model_class(cfg.type)
+    flops = torch.tensor([cls.flops_per_token(cfg, k, with_head=True) for k in range(cfg.n_recurrence + 1)],
+                         dtype=torch.float64)
+    rows = []
+    original = model.cfg
+    try:
+        for th in sorted({*HALT_THRESHOLDS, cfg.halt_threshold}):
+            model.cfg = dataclasses.replace(original, halt_threshold=th)
+            loss_sum, loops_sum, flops_sum, tokens = 0.0, 0.0, 0.0, 0
+            for x, y in batches():
+                x, y = x.to(device), y.to(device)
+                _, loss = model(x, y)
+                scored = y >= 0
+                n = int(scored.sum())
+                loops = model.last_loops[scored].long().cpu()  # loops each scored token ran
+                loss_sum += loss.item() * n
+                loops_sum += loops.sum().item()
+                flops_sum += flops[loops].sum().item()
+                tokens += n
+            rows.append({"threshold": th, "loss": loss_sum / tokens, "mean_loops": loops_sum / tokens,
+                         "flops_per_token": int(flops_sum / tokens), "recipe": th == cfg.halt_threshold})
+    finally:
+        model.cfg = original
+    return {"halting": rows, "halt_mode": cfg.halt_mode, "max_loops": cfg.n_recurrence, "val_tokens": tokens}
+
+
 def method_report(model, cfg, batches, device) -> dict | None:
     """The method's own measurements (see the module docstring), or None for a model without any."""
     if cfg.model.type == "mor":
         return {"mor": mor_report(model, batches, device)}
     if cfg.model.type == "ouro":
         return {"ouro": ouro_report(model, cfg.model, batches, device)}
+    if cfg.model.type == "recurtrace":
+        return {"recurtrace": recurtrace_report(model, cfg.model, batches, device)}
     return None
 
 
@@ -116,10 +157,25 @@ def print_method_report(report: dict) -> None:
         for row in ouro["q_exit"]:
             print(f"  Ouro Q-exit q={row['q']:.1f}: loss {row['loss']:.4f}, mean loops {row['mean_loops']:.2f}, "
                   f"{row['flops_per_token'] / 1e6:,.1f}M FLOPs/token (read out of a full-depth pass)")
+    _print_recurtrace(report)
+
+
+def _print_recurtrace(report: dict) -> None:
+    rt = report.get("recurtrace")
+    if rt:
+        R = rt["max_loops"]
+        print(f"  RecurTrace halting ({'each token' if rt['halt_mode'] == 'token' else 'each row'} stops once "
+              f"P(continue) < threshold; at most {R} loops; {rt['val_tokens']:,} validation tokens):")
+        for row in rt["halting"]:
+            mark = "  <- the recipe's threshold" if row["recipe"] else ""
+            print(f"    threshold {row['threshold']:.2f}: loss {row['loss']:.4f}, mean loops per token "
+                  f"{row['mean_loops']:.2f} of {R}, {row['flops_per_token'] / 1e6:,.1f}M FLOPs/token{mark}")
 
 
 def method_metrics(report: dict) -> list[tuple[dict, int]]:
-    """(metrics, step) pairs for MLflow: step = recursion / loop, or q in percent for the Q-exit rule."""
+    """(metrics, step) pairs for MLflow: step = recursion / loop, or q (Q-exit) or the halting threshold
+    (RecurTrace: ``eval.recurtrace_halt_*``) in percent; RecurTrace's recipe threshold also as single values
+    (``eval.recurtrace_loss``, ``eval.recurtrace_mean_loops``, step 0)."""
     out = []
     mor = report.get("mor")
     if mor:
@@ -127,6 +183,11 @@ def method_metrics(report: dict) -> list[tuple[dict, int]]:
             out.append(({"eval.mor_fraction_topk": mor["topk"]["fraction"][i],
                          "eval.mor_fraction_threshold": mor["threshold"]["fraction"][i]}, r))
         out.append(({"eval.mor_threshold_loss": mor["threshold"]["loss"]}, 0))
+    for row in report.get("recurtrace", {}).get("halting", []):
+        out.append(({"eval.recurtrace_halt_loss": row["loss"], "eval.recurtrace_halt_mean_loops": row["mean_loops"]},
+                    int(round(row["threshold"] * 100))))
+        if row["recipe"]:  # one value per run (a stepped metric's table value is its last step: threshold 1)
+            out.append(({"eval.recurtrace_loss": row["loss"], "eval.recurtrace_mean_loops": row["mean_loops"]}, 0))
     ouro = report.get("ouro")
     if ouro:
         for t, p in zip(ouro["loop"], ouro["exit_probability"]):

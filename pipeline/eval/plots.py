@@ -8,6 +8,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from pipeline.model import exits_are_layers  # noqa: E402
+
 
 def save_figure(fig, path: str | Path, dpi: int = 110) -> Path:
     """tight_layout, write the PNG (creating its folder) and close the figure: every plot of ``grt eval``."""
@@ -29,7 +31,7 @@ def plot_exit_curves(results: list[dict], path: str | Path, title: str = "Early 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
     for res in results:
         label = f"{res['name']} ({res['shorthand']})"
-        style = "o-" if res["type"] != "gpt" else "s--"
+        style = "s--" if exits_are_layers(res["type"]) else "o-"
         line, = ax1.plot(res["exit"], res["loss"], style, label=label, markersize=4)
         ax2.plot([f / 1e9 for f in res["exit_flops"]], res["loss"], style, color=line.get_color(), label=label,
                  markersize=4)

@@ -11,7 +11,7 @@ import torch
 
 from pipeline.config import (RecipeError, RunConfig, apply_overrides, file_in_the_way, folder_problem,
                              from_dict, sqlite_file)
-from pipeline.model import build_model, model_class, model_info
+from pipeline.model import build_model, exits_are_layers, model_class, model_info
 from pipeline.model.registry import NOISY_TYPES
 from pipeline.tracking import open_tracker
 from pipeline.train.backend import pick_device
@@ -99,7 +99,7 @@ def evaluate(path: str | Path, overrides: list[str] | None = None, quiet: bool =
     device = next(model.parameters()).device
     info = model_info(cfg.model)
     ev = cfg.eval
-    recurrent = cfg.model.type != "gpt"
+    recurrent = not exits_are_layers(cfg.model.type)
     trained_depth = getattr(cfg.model, "n_recurrence", None)
     ref = model_class(cfg.model.type).full_depth(cfg.model)
     deepest = cfg.model.max_depth()  # dense: its layers; MoR / RRT: their last recursion; others: unbounded
@@ -291,9 +291,9 @@ def log_to_mlflow(cfg, state: dict, result: dict, out_dir: Path, plots: list[Pat
 
 
 def print_report(result: dict) -> None:
-    recurrent = result["type"] != "gpt"
-    kind = {"gpt": "layer", "mor": "recursion", "rrt": "recursion", "ouro": "loop"}.get(result["type"],
-                                                                                      "recurrence step r")
+    recurrent = not exits_are_layers(result["type"])
+    kind = "layer" if not recurrent else {"mor": "recursion", "rrt": "recursion", "ouro": "loop", "recurtrace": "loop"}.get(
+        result["type"], "recurrence step r")
     noise = (", noise ON (eval.noise)" if result.get("noise") else ", noise off") if result["type"] in NOISY_TYPES \
         else ""
     print(f"eval: {result['name']} ({result['shorthand']}) step {result['step']}, {result['val_tokens']:,} val "

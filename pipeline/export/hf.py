@@ -150,6 +150,10 @@ def export_hf(path: str | Path, out: str | Path, check: bool = True) -> tuple[Pa
         kinds = "; ".join(f"{k}: {c}, {how}" for k, (c, how) in SUPPORTED.items())
         raise ValueError(f"grt export --format hf supports model.type {' and '.join(SUPPORTED)} ({kinds}); {ckpt} is "
                          f"a {mtype!r} model. Its weights are available as safetensors: `grt checkpoint convert {path} --to safetensors`")
+    if getattr(cfg.model, "hyper_streams", 1) > 1:
+        raise ValueError(f"{ckpt} has hyper-connections (model.hyper_streams={cfg.model.hyper_streams}), which the "
+                         f"exported modeling_grt.py does not implement; export a model with hyper_streams 1, or take "
+                         f"the weights as safetensors: `grt checkpoint convert {path} --to safetensors`")
     tmp = out.with_name(f".{out.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)

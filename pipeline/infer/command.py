@@ -11,6 +11,7 @@ from pipeline.infer.early_exit import CRITERIA, EXIT_TYPES, EarlyExit
 from pipeline.infer.generate import generate
 from pipeline.infer.sampling import Sampler, sampling_problems, seeded_generator
 from pipeline.infer.text import TokenText
+from pipeline.model import exits_are_layers
 
 ENDED_BY = {"eot": "the end-of-text token", "stop": "a stop string", "length": "--max-new-tokens"}
 
@@ -76,12 +77,12 @@ def model_problems(args, cfg, n_vocab: int) -> list[str]:
     m, p = cfg.model, []
     deepest = m.max_depth()
     if args.n_steps is not None and deepest is not None and args.n_steps > deepest:
-        unit = "layers (the exit layer)" if m.type == "gpt" else "recursions"
+        unit = "layers (the exit layer)" if exits_are_layers(m.type) else "recursions"
         p.append(f"--n-steps {args.n_steps}: model.type={m.type} has {deepest} {unit}; use --n-steps 1..{deepest}")
     if args.exit != "none" and m.type not in EXIT_TYPES:
         p.append(f"--exit {args.exit}: model.type={m.type} "
                  + ("is dense, it has no recurrence to exit from: drop --exit (--n-steps L exits at a fixed layer L)"
-                    if m.type == "gpt" else f"does not support early exit (supported: {', '.join(EXIT_TYPES)})"))
+                    if exits_are_layers(m.type) else f"does not support early exit (supported: {', '.join(EXIT_TYPES)})"))
     if m.vocab_size < n_vocab:
         p.append(f"model.vocab_size={m.vocab_size} is smaller than the GPT-2 BPE's {n_vocab} tokens that grt "
                  f"generate reads and writes text with; this checkpoint was not trained on GPT-2 tokens")
@@ -128,6 +129,7 @@ def generate_command(args, out=None, err=None) -> int:
     gen = generate(model, ids, args.max_new_tokens, block_size, n_steps=args.n_steps, kv=args.kv, sampler=sampler,
                    stop=stop, early_exit=early)
     depth = early.n_max if early else (args.n_steps or model_class(cfg.model.type).full_depth(cfg.model))
+    halting = cfg.model.type == "recurtrace" and args.n_steps is None  # its halting head sets each token's loops
     speed = (f"{gen.n_tokens} new tokens in {gen.seconds:.2f} s, {gen.n_tokens / max(gen.seconds, 1e-9):.1f} "
              f"tokens/s (prefill included; {device.type}, kv={args.kv})")
     for row, (prompt, text) in enumerate(zip(prompts, texts)):
@@ -139,15 +141,18 @@ def generate_command(args, out=None, err=None) -> int:
         if len(prompts) > 1:
             print(f"-- prompt {row + 1}/{len(prompts)}: {what}", file=err)
         else:
-            print(f"-- {what}; {speed}; {_depth_note(cfg, depth, early, gen)}", file=err)
+            print(f"-- {what}; {speed}; {_depth_note(cfg, depth, early, gen, halting)}", file=err)
     if len(prompts) > 1:
-        print(f"-- batch of {len(prompts)}: {speed}; {_depth_note(cfg, depth, None, gen)}", file=err)
+        print(f"-- batch of {len(prompts)}: {speed}; {_depth_note(cfg, depth, None, gen, halting)}", file=err)
     err.flush()
     return 0
 
 
-def _depth_note(cfg, depth: int, early: EarlyExit | None, gen) -> str:
-    if cfg.model.type == "gpt":
+def _depth_note(cfg, depth: int, early: EarlyExit | None, gen, halting: bool = False) -> str:
+    if halting:
+        return (f"halting: each {'token' if cfg.model.halt_mode == 'token' else 'row'} stops once P(continue) < "
+                f"{cfg.model.halt_threshold:g}, at most {depth} loops (--n-steps N: exactly N)")
+    if exits_are_layers(cfg.model.type):
         return f"exit layer {depth} of {cfg.model.n_layer}"
     if early is None:
         return f"{depth} recurrence steps per token"

@@ -27,6 +27,7 @@ from __future__ import annotations
 import torch
 
 from pipeline.model.kv_cache import KVCache, at_step
+from pipeline.model.registry import exits_are_layers
 
 CRITERIA = ("kl", "latent", "entropy")
 
@@ -105,7 +106,7 @@ class EarlyExit:
         if mtype not in RECURRENCES:
             raise ValueError(f"early exit runs a recurrence one step at a time; model.type={mtype} "
                              + ("is dense (no recurrence): drop the exit criterion, or exit at a fixed layer with "
-                                "n_steps" if mtype == "gpt" else
+                                "n_steps" if exits_are_layers(mtype) else
                                 f"is not supported (supported: {', '.join(EXIT_TYPES)}); drop the exit criterion"))
         if criterion not in CRITERIA:
             raise ValueError(f"exit criterion {criterion!r} is unknown; choose one of {', '.join(CRITERIA)}")

@@ -11,15 +11,21 @@ from pipeline.model.layers import (Block, KVCache, LayerNorm, TokenEmbedding, bl
 
 class GPT(nn.Module):
     config_class = GPTConfig
+    exits_are_layers = True  # its depth is the exit layer (no recurrence); subclasses with other blocks inherit it
 
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.cfg = cfg
         self.embed = TokenEmbedding(cfg.vocab_size, cfg.block_size, cfg.d_model, cfg.dropout)
-        self.blocks = nn.ModuleList(Block(cfg.d_model, cfg.n_head, cfg.dropout, cfg.bias) for _ in range(cfg.n_layer))
+        self.blocks = nn.ModuleList(self.make_block(cfg) for _ in range(cfg.n_layer))
         self.ln_f = LayerNorm(cfg.d_model, cfg.bias)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.lm_head.weight = self.embed.wte.weight  # tied head
+
+    @staticmethod
+    def make_block(cfg: GPTConfig) -> nn.Module:
+        """One layer (a subclass with another kind of layer overrides this)."""
+        return Block(cfg.d_model, cfg.n_head, cfg.dropout, cfg.bias)
 
     def init_weights(self, seed: int, assign=copy_full) -> None:
         """GPT-2 init, each parameter from its own generator seeded by (seed, name) (see ``init_gpt2_weights``)."""

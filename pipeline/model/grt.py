@@ -23,8 +23,9 @@ import torch.nn.functional as F
 from ops import gate_update, gated_update, new_seed, state_noise
 from ops.gate import gate_reference, gate_update_reference
 from pipeline.config import GRTConfig
+from pipeline.model.hyper_connections import core_blocks
 from pipeline.model.recurrent import RecurrentLM
-from pipeline.model.layers import (Block, KVCache, KVCacheAtStep, LayerNorm, at_step, block_flops_per_token,
+from pipeline.model.layers import (KVCache, KVCacheAtStep, LayerNorm, at_step, block_flops_per_token,
                                    cache_slot, copy_full, head_flops_per_token, head_output, init_gpt2_weights)
 
 
@@ -90,7 +91,7 @@ class RecurrentStep(nn.Module):
         self.cfg = cfg
         d = cfg.d_model
         self.proj = SplitLinear(2 * d, d) if cfg.reinject else None  # W_proj: 2d^2 + d
-        self.blocks = nn.ModuleList(Block(d, cfg.n_head, cfg.dropout, cfg.bias) for _ in range(cfg.n_core))
+        self.blocks = core_blocks(cfg)  # n_core blocks; hyper-connected with model.hyper_streams > 1
         self.gate = Gate(d, cfg.gate_bias_init, cfg.bias) if cfg.gate == "elementwise" else None
 
     def anchor_terms(self, h_pre: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -207,7 +208,13 @@ class GRT(RecurrentLM):
         h_pre = self.encode(idx, start, cache)
         h = self.initial_state(h_pre, noise)
         anchor = None
-        for r in range(n):  # seeds drawn here, in eager code (see RecurrentStep.draw_seeds)
+        n_free = self.grad_free_steps(n)  # truncated backprop (model.backprop_steps): these steps save nothing
+        with torch.no_grad():
+            for r in range(n_free):
+                seeds = self.recur.draw_seeds(noise)
+                h, _, anchor = self.recur(h, h_pre, noise, at_step(cache, r), anchor, seeds=seeds)
+        anchor = None  # the first step with gradient recomputes the anchor terms with gradient (to h_pre, W_a)
+        for r in range(n_free, n):  # seeds drawn here, in eager code (see RecurrentStep.draw_seeds)
             h, _, anchor = self.recur(h, h_pre, noise, at_step(cache, r), anchor, seeds=self.recur.draw_seeds(noise))
         out = self.decode(h, targets, cache)
         if cache is not None:
@@ -282,10 +289,21 @@ class GRT(RecurrentLM):
     @staticmethod
     def flops_notes(cfg: GRTConfig) -> list[str]:
         saved = GRT.flops_per_token(cfg) - GRT.flops_per_token(cfg, executed=True)
-        if not saved:
-            return []
-        return [f"the code runs {saved:,} FLOPs/token fewer than Eq. 1 at R={cfg.n_recurrence}: the anchor halves of "
-                f"W_proj and f_g are computed once per forward, not at every step (the same result)"]
+        notes = [f"the code runs {saved:,} FLOPs/token fewer than Eq. 1 at R={cfg.n_recurrence}: the anchor halves of "
+                 f"W_proj and f_g are computed once per forward, not at every step (the same result)"] if saved else []
+        k, R = cfg.backprop_steps, cfg.n_recurrence
+        if k is not None and k < R:
+            depths = range(1, R + 1) if cfg.depth_sampling == "uniform" else [R]
+            grad = sum(min(k, r) for r in depths) / len(depths)
+            mean = sum(depths) / len(depths)
+            notes.append(f"truncated backprop (model.backprop_steps = {k}): only the last min({k}, r) recurrence steps "
+                         f"run backward, E = {grad:.3g} of E[r] = {mean:.3g} steps; the trainer's MFU counts it")
+        n = cfg.hyper_streams
+        if n > 1:
+            mix = 2 * cfg.n_core * (2 * n * n + 4 * n) * cfg.d_model
+            notes.append(f"hyper-connections (model.hyper_streams = {n}) add {mix:,} FLOPs/token per recurrence step "
+                         f"that Eq. 1 leaves out: (2n^2 + 4n) d per sublayer for the stream mixes")
+        return notes
 
     @staticmethod
     def flops_per_token(cfg: GRTConfig, n_steps: int | None = None, with_head: bool = False,

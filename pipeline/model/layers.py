@@ -143,7 +143,7 @@ def gpt2_init_value(module: nn.Module, attr: str, shape: torch.Size, gen: torch.
     """The full fp32 CPU initial value of ``module.<attr>`` under the GPT-2 rule: N(0, 0.02) for linear and embedding
     weights, N(0, std_resid) for residual projections (``is_residual_projection``), N(0, module.init_std) where a
     module sets ``init_std`` (0: zeros), biases at the module's ``bias_init`` (0 unless set), LayerNorm weight 1 and
-    bias 0."""
+    bias 0; any other module's parameters by its own ``init_value(attr, shape)``."""
     if isinstance(module, LayerNorm):
         return torch.ones(shape) if attr == "weight" else torch.zeros(shape)
     if isinstance(module, nn.Linear) and attr == "bias":
@@ -154,6 +154,8 @@ def gpt2_init_value(module: nn.Module, attr: str, shape: torch.Size, gen: torch.
         if std == 0:
             return torch.zeros(shape)
         return torch.empty(shape).normal_(0.0, std, generator=gen)
+    if hasattr(module, "init_value"):  # a module with a rule of its own (static hyper-connections: the paper's)
+        return module.init_value(attr, shape)
     raise TypeError(f"no initialisation rule for parameter {attr!r} of {type(module).__name__}; add one to "
                     f"pipeline.model.layers.gpt2_init_value")
 

@@ -97,11 +97,9 @@ class PoissonDepth(RecurrentLM):
         return nn.init.trunc_normal_(x, 0.0, std, -3 * std, 3 * std).to(h_pre.dtype)
 
     def iterate(self, h: torch.Tensor, h_pre: torch.Tensor, n: int, cache: KVCache | None = None) -> torch.Tensor:
-        """n steps of ``self.recur``; in training the first max(n - k, 0) under no_grad (truncated backprop). Both
-        loops call the same modules in the same order, so FSDP/ZeRO-3 see the same calls on every rank, and
-        min(k, n) >= 1 steps with gradient reach every parameter (DDP needs no find_unused_parameters). In eval
-        mode nothing is truncated: the caller's grad mode decides."""
-        n_free = max(n - self.cfg.backprop_steps, 0) if self.training else 0
+        """n steps of ``self.recur``; in training the first max(n - k, 0) under no_grad (truncated backprop, see
+        :meth:`RecurrentLM.grad_free_steps`)."""
+        n_free = self.grad_free_steps(n)
         with torch.no_grad():
             for r in range(n_free):
                 h = self.recur(h, h_pre, at_step(cache, r))
@@ -165,14 +163,6 @@ class PoissonDepth(RecurrentLM):
         d, S = cfg.d_model, seq_len or cfg.block_size
         f = PoissonDepth.block_executions(cfg, n) * block_flops_per_token(d, S) + n * 4 * d * d
         return f + (head_flops_per_token(d, cfg.vocab_size) if with_head else 0)
-
-    @staticmethod
-    def training_flops_per_token(cfg: PoissonConfig, n_steps: int) -> int:
-        """Model FLOPs of one training step at depth p = ``n_steps`` (forward + backward = 3x forward, head
-        included), without the backward the first max(p - k, 0) no-grad steps skip: the trainer's MFU."""
-        step = PoissonDepth.flops_per_token(cfg, 1) - PoissonDepth.flops_per_token(cfg, 0)
-        no_grad = max(n_steps - cfg.backprop_steps, 0)
-        return 3 * PoissonDepth.flops_per_token(cfg, n_steps, with_head=True) - 2 * no_grad * step
 
     @staticmethod
     def expected_grad_steps(cfg: PoissonConfig) -> float:

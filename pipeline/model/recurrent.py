@@ -46,6 +46,24 @@ class RecurrentLM(nn.Module):
         losses = [head_output(self.lm_head, s, targets)[1].item() for _, s in self.exit_states(idx, range(n + 1))]
         return {"exit": list(range(1, n + 1)), "loss": losses[1:], "loss_r0": losses[0]}
 
+    def grad_free_steps(self, n: int) -> int:
+        """Truncated backprop (``model.backprop_steps`` k, set by ``train.bptt_k``; GRT and Poisson): in training the
+        first max(n - k, 0) of n steps run under no_grad and only the last min(k, n) get gradient; none without k or
+        in eval mode (the caller's grad mode decides there). Every rank runs the same modules in the same order
+        either way, and the last step always has gradient, so every parameter gets one (DDP needs no
+        find_unused_parameters)."""
+        k = getattr(self.cfg, "backprop_steps", None)
+        return max(n - k, 0) if self.training and k else 0
+
+    @classmethod
+    def training_flops_per_token(cls, cfg: RecurrentConfig, n_steps: int) -> int:
+        """Model FLOPs of one training step at depth ``n_steps`` (forward + backward = 3x forward, head included),
+        without the backward that truncated backprop's no-grad steps skip: the trainer's MFU."""
+        f = cls.flops_per_token
+        k = getattr(cfg, "backprop_steps", None)
+        no_grad = max(n_steps - k, 0) if k else 0
+        return 3 * f(cfg, n_steps, with_head=True) - 2 * no_grad * (f(cfg, 1) - f(cfg, 0))
+
     @staticmethod
     def full_depth(cfg: RecurrentConfig) -> int:
         """The trained (and default evaluation) depth: n_recurrence."""

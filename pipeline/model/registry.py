@@ -1,7 +1,8 @@
 """Models by ``model.type``. A new architecture is one new file plus one line here."""
 from __future__ import annotations
 
-from pipeline.config import GPTConfig, GRTConfig, ModelConfig, MoRConfig, OuroConfig, PoissonConfig, RRTConfig
+from pipeline.config import (GPTConfig, GRTConfig, ModelConfig, MoRConfig, OuroConfig, PoissonConfig, RecurrentTransformerConfig,
+                             RecurTraceConfig, RRTConfig)
 
 # type -> (config class, "module:Class"). Classes are imported lazily so that reading a recipe needs no torch.
 _MODELS: dict[str, tuple[type, str]] = {
@@ -12,6 +13,9 @@ _MODELS: dict[str, tuple[type, str]] = {
     "mor": (MoRConfig, "pipeline.model.mor:MoR"),
     "rrt": (RRTConfig, "pipeline.model.rrt:RRT"),
     "ouro": (OuroConfig, "pipeline.model.ouro:Ouro"),
+    # the companion abstracts' systems
+    "recurrent_transformer": (RecurrentTransformerConfig, "pipeline.model.recurrent_transformer:RecurrentTransformer"),
+    "recurtrace": (RecurTraceConfig, "pipeline.model.recurtrace:RecurTrace"),
 }
 NOISY_TYPES = ("grt", "poisson")  # trained with noise (GRT's state and gate noise, Poisson's random start), evaluated without
 MODEL_CONFIGS: dict[str, type] = {name: cls for name, (cls, _) in _MODELS.items()}
@@ -24,6 +28,12 @@ def model_class(model_type: str):
         raise KeyError(f"model.type={model_type!r} is not registered; known: {sorted(_MODELS)}")
     module, cls = _MODELS[model_type][1].split(":")
     return getattr(importlib.import_module(module), cls)
+
+
+def exits_are_layers(model_type: str) -> bool:
+    """Whether the model's depth is an exit layer of a stack run once (dense-style: gpt, recurrent_transformer)
+    rather than a recurrence/recursion/loop count."""
+    return getattr(model_class(model_type), "exits_are_layers", False)
 
 
 def build_model(cfg: ModelConfig, device=None, seed: int | None = None):

@@ -326,6 +326,13 @@ class DeepSpeed(TorchDistributed):
         import deepspeed
 
         model = model.to(self.device)
+        # A block that runs its positions one after another (the recurrent transformer's self-KV layers) calls its
+        # submodules once per position: as a ZeRO-3 leaf it gathers its parameters once per forward, not T times.
+        leaves = sorted({type(m) for m in model.modules() if getattr(m, "positions_in_order", False)}, key=str)
+        if self.cfg.zero_stage == 3 and leaves:
+            from deepspeed.utils import set_z3_leaf_modules
+
+            set_z3_leaf_modules(model, leaves)
         engine, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer_fn(model),
                                                        config=self.ds_config())
         self._engine = engine

@@ -75,7 +75,9 @@ def compile_targets(model: nn.Module) -> list[nn.Module]:
     layer (dense). The loop over r stays eager, so a new depth r reuses the step's compiled graphs."""
     if hasattr(model, "recur"):
         return [*model.prelude, model.recur, *model.coda]
-    return list(model.blocks)
+    # a block that runs its positions one after another in Python (the Recurrent Transformer's self-KV attention)
+    # would be unrolled over every position by dynamo: its per-position MLP is compiled, the loop stays eager
+    return [b.mlp if getattr(b, "positions_in_order", False) else b for b in model.blocks]
 
 
 def apply_compile(model: nn.Module, backend: str = "inductor") -> None:

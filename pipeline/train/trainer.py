@@ -293,14 +293,16 @@ class Trainer:
         (sharded models need all ranks in every forward)."""
         self.model.eval()
         total, count = 0.0, 0
+        # the depth said explicitly: RecurTrace without n_steps would halt per token at its threshold instead
+        depth = getattr(self.cfg.model, "n_recurrence", None)
+        at_depth = {"n_steps": depth} if depth is not None else {}
         for x, y in validation_batches(self.val_data, self.seq_len, self.cfg.train.micro_batch_size,
                                        max_batches=self.cfg.train.eval_batches, vocab_size=self.cfg.model.vocab_size):
             with self.autocast():
-                _, loss = self.model(x.to(self.device), y.to(self.device))
+                _, loss = self.model(x.to(self.device), y.to(self.device), **at_depth)
             total += loss.item() * y.numel()
             count += y.numel()
         self.model.train()
-        depth = getattr(self.cfg.model, "n_recurrence", None)
         return {"step": self.step, "val_loss": self.backend.reduce_mean(total / count), "val_tokens": count,
                 "val_depth": depth}
 

@@ -1,0 +1,245 @@
+"""Activation rows of the recurrent-depth methods other than GRT, one function per model type, each the rows of
+the table below (launch/memory.py holds the shared terms, the pre-LN block, GRT and the dense model; its docstring
+says what B, T, d, H, V, a and s are and what saved / region / workspace mean). Embeddings, prelude / coda blocks
+and the head are as in launch/memory.py unless said.
+
+    Poisson               depth p is random and unbounded, but the first max(p - k, 0) steps run under no_grad and
+                          save nothing: the estimate is at k = backprop_steps grad steps, the bound for every p (a
+                          step p <= k saves less). The random initial state is drawn without grad: never saved.
+      grad step, no ckpt  2 a BTd (the adapter's input [h, h_pre], in the compute dtype) + n_core blocks on the
+                          compute-dtype stream (the adapter's output; the coda and the head's LN continue it)
+      core_step           per grad step only its input h (a); once h_pre (s). Region: one whole grad step
+      blocks              per grad step the adapter input + each core block's input (a BTd); the adapter is not
+                          checkpointed
+    MoR recursion r       k_r = max(1, floor((N_r - r) T / N_r)) tokens chosen among the n_r = k_{r-1} candidates
+                          (n_0 = T), r = 0..N_r-1; attention among the chosen only (a block on k_r tokens)
+      no ckpt             n_core blocks on k_r tokens + s BTd (the state h entering r, saved by the gather of the
+                          candidates (r > 0) or of the chosen (r = 0)) + s B n_r d (the candidates, r > 0: router
+                          input and gather source) + a B n_r d (the router's autocast cast, a != s only) + s B k_r d
+                          (the core's output, saved by the weighted update) + (2a + 8) B n_r (router logits and
+                          sigmoid, the BCE's fp32 logits and top-k membership target) + (a + 16) B k_r (the gathered
+                          weights, int64 indices of the chosen: in the candidates and in the sequence)
+      core_step           per recursion only its inputs: h (s BTd) and the previous recursion's indices (8 B n_r).
+                          Region: the largest recursion (r = 0: k_0 = T) without its inputs
+      blocks              per recursion the routing terms above + each core block's input (s B k_r d) and the core's
+                          output; router, gathers and scatter are not checkpointed
+    RRT core block        pre-LN block + 4 a BT rank (A_r x of each LoRA'd projection: c_attn, attn c_proj, c_fc,
+                          mlp c_proj, saved by B_r; the scale and the sum save nothing) + 2 a BTd when a != s
+                          (autocast casts LN's fp32 output once for W and once more for A_r: c_attn and c_fc);
+                          N_r recursions of n_core such blocks, the stream in s (x + block(x) keeps x's dtype)
+      core_step           per recursion only its input h (s BTd); region: one recursion
+      blocks              per block only its input
+    Ouro loop t           n_layer blocks + s BTd (the loop norm's input) + 8 BT (its statistics) + 4 BT (the
+                          per-token fused CE's logsumexp: it saves h_t, which the next loop's first block saves too,
+                          and recomputes the logits in backward: no dL/dh, dL/dW) + a BTd when a != s (the exit
+                          gate's autocast cast of h_t, loops t < T); once: h_T (s BTd), the int64 targets (8 BT) and
+                          the loss over the loops: 12 BT T (the stacked CE_t, p, log p) + 8 BT (T - 1) (the gate
+                          logits and their negation, logsigmoid's inputs)
+      core_step           per loop only its input h_{t-1} (s BTd); region: one loop (blocks + loop norm)
+      blocks              per block only its input; the loop norm, the heads and the gate are not checkpointed
+
+    RecurTrace loop i     (i = 0..R-1; i earlier loops in the loop memory, R loops in training) n_core loop blocks:
+                          a pre-LN block whose attention is written out: its fused log-sum-exp (4 BHT) becomes the
+                          softmax's fp32 probabilities 4 BHT (T + i) (union; separate: 4 BHT T + 4 BHT i), the
+                          causal mask T^2 bytes, the probabilities' autocast cast a BHT^2 when a != s, and q, k, v
+                          as the matmuls' copies (3 a BTd, what the fused block's qkv counts); with loop memory
+                          (R >= 2) + the layer's qkv 3 a BTd (its q and k feed the q.k_j products) + the stacked
+                          earlier values i a BTd (zero in the first loop)
+      halting head        per loop i < R - 1: LN(h)'s output a BTd (its input h is the next loop's, counted there)
+                          and statistics 8 BT, the BCE's fp32 logit and target 8 BT; once the target mask BT; the
+                          oracle's per-loop losses run under no_grad
+      core_step           per loop its input h (s BTd); once the loop memory of loops 0..R-2 (3 a BTd per core
+                          block, held by the later loops' checkpoints even with loop_memory=none). Region: the last
+                          loop without its inputs
+      blocks              per block its input, the loop memory as in core_step; region: the larger block
+    Recurrent Transformer n_layer self-KV layers, T positions in order inside each (dense: core_step is refused and
+      self-KV layer       counted as none). 3 s BTd (the layer input and each position's two residuals) + 17 a BTd
+                          (the block's 14, LN_1 of each output and its memory key/value 2, but the last position's)
+                          + the attention's d-wide rows (4 B d each) and per-head scalars (4 BH each) + 3 x 8 BT (LN
+                          statistics) + BHT bytes (the l > 0 masks), counted by self_kv_layout() over the tiled
+                          recursion: per cross step the right half's partial (acc rows, m and l); per tile of tau
+                          positions under A enclosing right halves (A = the 1-bits of the tile's index when T / tile
+                          is a power of two: log2(T / tile) / 2 on average) A merged accs; per position after its
+                          tile's first two accs (the partial over the tile's earlier keys and its merge) and 5
+                          scalars. The partials save only q and the per-position keys/values
+                          (self_kv_attention._RecomputedPartial). Per layer and token, in d-wide rows: about
+                          22 - 2 / tile + log2(T / tile) (the dense block: 16). prefill=reference: per position t
+                          its t + 1 keys and values concatenated (Theta(T^2 d)) and q_t copied, no qkv.
+                          Workspace: the first cross step's T/2 x T/2 scores, about 5 fp32 copies while backward
+                          recomputes them (not measured on the CPU), or the head's if larger
+      blocks              per layer its input; region: one layer
+"""
+from __future__ import annotations
+
+from launch.memory import Activations, _Shapes
+
+
+def poisson(c, x: _Shapes, mode: str) -> Activations:
+    """k grad steps (activation_depth): the no-grad steps before them save nothing. The core's stream is the
+    adapter's output (compute dtype); the coda and the final LN continue it."""
+    a, s, BTd = x.a, x.s, x.BTd
+    k, n_core, blk_a = c.backprop_steps, c.n_core, x.block(a)
+    adapter_in = 2 * a * BTd  # [h, h_pre] (the fp32 concatenation's autocast cast when a != s)
+    outside = x.embed() + x.mean_head(a)
+    prelude, coda = c.n_prelude * x.block(s), c.n_coda * blk_a
+    if mode == "none":
+        return Activations(outside + prelude + k * (adapter_in + n_core * blk_a) + coda, 0.0, x.mean_head_workspace())
+    if mode == "core_step":
+        # the checkpoint holds each grad step's state h (a) and, once, h_pre (s); recomputing a step saves it whole
+        saved = outside + prelude + k * a * BTd + s * BTd + coda
+        return Activations(saved, adapter_in + n_core * blk_a, x.mean_head_workspace())
+    saved = outside + c.n_prelude * s * BTd + k * (adapter_in + n_core * a * BTd) + c.n_coda * a * BTd
+    region = max(x.block(s) - s * BTd if c.n_prelude else 0, blk_a - a * BTd)
+    return Activations(saved, region, x.mean_head_workspace())
+
+
+def mor(c, x: _Shapes, mode: str) -> Activations:
+    """Recursion r runs the core on its k_r chosen tokens (pipeline/model/mor.py's capacity_tokens)."""
+    from pipeline.model.mor import capacity_tokens
+
+    a, s, B, d, BTd = x.a, x.s, x.B, x.d, x.BTd
+    N, T = c.n_recurrence, x.T
+    chosen = [capacity_tokens(N, r, T) for r in range(N)]
+    candidates = [T] + chosen[:-1]
+
+    def routing(r: int) -> float:
+        """Recursion r's tensors outside its blocks and its input state (the gathers, router, update, aux BCE)."""
+        n, k = candidates[r], chosen[r]
+        gathered = s * B * n * d if r > 0 else 0  # the candidates h[C_r]: the router's input, the chosen's source
+        cast = a * B * n * d if a != s else 0  # the router's own autocast cast of its input
+        small = (2 * a + 8) * B * n + (a + 16) * B * k  # logits, sigmoid, BCE fp32 logits/target; weights, indices
+        return gathered + cast + s * B * k * d + small  # + the core's output (weighted update)
+
+    outside = x.embed() + (c.n_prelude + c.n_coda) * x.block(s) + x.mean_head(s)
+    if mode == "none":
+        saved = outside + sum(s * BTd + routing(r) + c.n_core * x.block(s, chosen[r]) for r in range(N))
+        return Activations(saved, 0.0, x.mean_head_workspace())
+    if mode == "core_step":
+        # held by the checkpoint: each recursion's state h and the previous recursion's indices (int64)
+        saved = outside + N * s * BTd + sum(8 * B * candidates[r] for r in range(1, N))
+        region = max(routing(r) + c.n_core * x.block(s, chosen[r]) for r in range(N))
+        return Activations(saved, region, x.mean_head_workspace())
+    outside = x.embed() + (c.n_prelude + c.n_coda) * s * BTd + x.mean_head(s)
+    saved = outside + sum(s * BTd + routing(r) + c.n_core * s * B * chosen[r] * d for r in range(N))
+    region = max(x.block(s) - s * BTd if c.n_prelude + c.n_coda else 0, x.block(s, chosen[0]) - s * B * chosen[0] * d)
+    return Activations(saved, region, x.mean_head_workspace())
+
+
+def rrt(c, x: _Shapes, mode: str) -> Activations:
+    """N_r recursions of the n_core LoRA'd blocks, the stream in s throughout."""
+    a, s, BTd = x.a, x.s, x.BTd
+    core = x.block(s) + 4 * a * x.BT * c.lora_rank + (2 * a * BTd if a != s else 0)
+    N, outer = c.n_recurrence, c.n_prelude + c.n_coda
+    outside = x.embed() + x.mean_head(s)
+    if mode == "none":
+        return Activations(outside + outer * x.block(s) + N * c.n_core * core, 0.0, x.mean_head_workspace())
+    if mode == "core_step":
+        saved = outside + outer * x.block(s) + N * s * BTd
+        return Activations(saved, c.n_core * core - s * BTd, x.mean_head_workspace())
+    saved = outside + (outer + N * c.n_core) * s * BTd
+    region = max(x.block(s) - s * BTd if outer else 0, core - s * BTd)
+    return Activations(saved, region, x.mean_head_workspace())
+
+
+def ouro(c, x: _Shapes, mode: str) -> Activations:
+    """T loops of the n_layer blocks and the loop norm, a per-token head at every loop, T - 1 exit gates."""
+    a, s, B, BT, BTd = x.a, x.s, x.B, x.BT, x.BTd
+    L, T_loops = c.n_layer, c.n_recurrence
+    gate_casts = (T_loops - 1) * a * BTd if a != s else 0
+    per_loop = s * BTd + x.ln_stats() + 4 * BT  # loop norm input and statistics, the CE's logsumexp
+    loss = 12 * BT * T_loops + 8 * BT * (T_loops - 1)
+    outside = x.embed() + s * BTd + 8 * BT + gate_casts + loss  # + h_T and the targets, saved by the last CE
+    # the per-token CE's backward (once per loop): a recomputed chunk of logits (fp32 + its compute-dtype softmax),
+    # dL/dW in fp32 with one chunk's product, dL/dh, the weight cast
+    workspace = x.chunk_rows() * x.V * (4 + a) + 8 * x.V * x.d + s * BTd + x.weight_cast()
+    if mode == "none":
+        return Activations(outside + T_loops * (L * x.block(s) + per_loop), 0.0, workspace)
+    if mode == "core_step":
+        saved = outside + T_loops * (s * BTd + 4 * BT)  # the checkpoint holds each loop's input h_{t-1}
+        return Activations(saved, L * x.block(s) + x.ln_stats(), workspace)
+    saved = outside + T_loops * (L * s * BTd + per_loop)
+    return Activations(saved, x.block(s) - s * BTd, workspace)
+
+
+def recurtrace(c, x: _Shapes, mode: str) -> Activations:
+    """R loops of the n_core loop-memory blocks (all of them in training), the halting head's BCE after loops
+    1..R-1 (pipeline/model/recurtrace.py)."""
+    a, s, B, H, T, BT, BTd = x.a, x.s, x.B, x.H, x.T, x.BT, x.BTd
+    R, n_core, outer = c.n_recurrence, c.n_core, c.n_prelude + c.n_coda
+    memory = c.loop_memory != "none" and R > 1  # union and separate save the same: one softmax's columns or two
+
+    def loop_block(i: int) -> float:
+        """A loop block at loop i (i earlier loops in its memory), its qkv excluded (counted by the caller)."""
+        probs = 4 * B * H * T * T + (4 * B * H * T * i if memory else 0)  # fp32 softmax, the loop keys' columns
+        cast = a * B * H * T * T if a != s else 0  # autocast's copy of the positions' probabilities for p @ v
+        # the pre-LN block's tensors, its fused attention's log-sum-exp replaced by the softmax and the mask
+        return x.block(s) - 4 * B * H * T + probs + cast + T * T + (a * i * BTd if memory else 0)
+
+    qkv = 3 * a * BTd if memory else 0  # a loop's q.k_j products save its q and k views: the whole qkv tensor
+    halting = (R - 1) * (a * BTd + 16 * BT) + BT if c.halt_coef > 0 and R > 1 else 0
+    outside = x.embed() + x.mean_head(s) + halting
+    if mode == "none":
+        saved = outside + outer * x.block(s) + n_core * sum(loop_block(i) + qkv for i in range(R))
+        return Activations(saved, 0.0, x.mean_head_workspace())
+    # the loop memory of loops 0..R-2 (their qkv tensors): inputs of the later loops' checkpoints, carried even
+    # when loop_memory=none reads none of it
+    held = n_core * (R - 1) * 3 * a * BTd
+    if mode == "core_step":
+        saved = outside + outer * x.block(s) + R * s * BTd + held
+        return Activations(saved, n_core * (loop_block(R - 1) + qkv) - s * BTd, x.mean_head_workspace())
+    saved = outside + (outer + R * n_core) * s * BTd + held
+    region = max(x.block(s) - s * BTd if outer else 0, loop_block(R - 1) + qkv - s * BTd)
+    return Activations(saved, region, x.mean_head_workspace())
+
+
+def self_kv_layout(T: int, tile: int, own_key: bool = True) -> tuple[float, float]:
+    """(d-wide rows, per-head scalars) that one self-KV layer's attention saves beyond its qkv, o and memory
+    keys/values, walking pipeline/model/self_kv_attention.py's recursion: a cross step's partial (rows = the right
+    half: acc, and m, l per head); per tile of tau rows under A enclosing right halves, the A merges with their
+    partials (acc, and m, l, two weights per head; the last merge's m, l are read only by the tile's later
+    positions), its own-key statistics (s and l = 1 per head, or one zero and a zero acc without an own key); per
+    position after the first of its tile, the partial over the tile's earlier keys and the merge with it (two
+    accs; m, l, two weights and the normaliser per head); the first only its normaliser."""
+    rows = scalars = 0.0
+
+    def solve(lo: int, hi: int, A: int) -> None:
+        nonlocal rows, scalars
+        if hi - lo <= tile:
+            tau = hi - lo
+            rows += A * tau + 2 * (tau - 1) + (0 if own_key else tau)
+            read = A > 0 or tau > 1  # the own-key statistics are read by a merge
+            scalars += ((2 if own_key else 1) * tau if read else 0) + 4 * A * tau - (2 * tau if A and tau == 1 else 0)
+            scalars += 5 * (tau - 1) + 1
+            return
+        mid = (lo + hi) // 2
+        solve(lo, mid, A)
+        rows += hi - mid
+        scalars += 2 * (hi - mid)
+        solve(mid, hi, A + 1)
+
+    solve(0, T, 0)
+    return rows, scalars
+
+
+def recurrent_transformer(c, x: _Shapes, mode: str) -> Activations:
+    """n_layer self-KV layers (pipeline/model/recurrent_transformer.py), positions in order inside each."""
+    a, s, B, H, T, BTd = x.a, x.s, x.B, x.H, x.T, x.BTd
+    L = c.n_layer
+    own = c.own_key == "input"
+    if c.prefill == "reference":  # position t's keys and values concatenated: t + own rows each, two probabilities
+        keys = T * (T - 1) // 2 + own * T  # (softmax, nan_to_num) per key and head, its key mask (bool)
+        rows, scalars, masks = 2 * keys - 2 * T, 2 * keys, B * keys  # q_t copied (+1), qkv not saved (-3)
+    else:
+        (rows, scalars), masks = self_kv_layout(T, c.tile, own), B * H * T  # the normaliser's l > 0 (bool)
+    # the layer input x and the two per-position residuals y, y2 (s); LN_1(x), qkv 3, o, LN_2(y), MLP 4 + 4,
+    # LN_1(y2) and the memory keys/values 2 of every position but the last (a); the attention's rows and scalars
+    layer = (2 * s + 14 * a) * BTd + (s + 3 * a) * BTd - 2 * a * B * x.d
+    layer += 4 * B * x.d * rows + 4 * B * H * scalars + masks + 3 * x.ln_stats()
+    outside = x.embed() + x.mean_head(s)
+    # the first cross step's scores over T/2 x T/2 (fp32), transient: about five at once (s, p, dp, ds, the ties)
+    # when backward recomputes them, beside everything saved; not measured on the CPU, like the head's
+    half = T // 2 if c.prefill == "tiled" and T > c.tile else 0
+    workspace = max(x.mean_head_workspace(), 5 * 4 * B * H * half * half)
+    if mode == "blocks":
+        return Activations(outside + L * s * BTd, layer - s * BTd, workspace)
+    return Activations(outside + L * layer, 0.0, workspace)

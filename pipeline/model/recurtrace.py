@@ -1,0 +1,253 @@
+"""RecurTrace (companion abstract): a looped block of middle layers (GRT's layout: prelude once, the core looped,
+coda) with two additions that use the loop's own trajectory.
+
+Loop Memory Attention. At iteration i each looped layer, for each token t, attends over its usual causal keys (the
+positions s <= t of this iteration) and over its own keys/values of the same token t at iterations 1..i-1 (the
+loop-time axis). The abstract says "attend to its own states from previous iterations": the simplest reading taken
+here is the layer's key/value projections of its input at those iterations (what the layer would have offered as
+keys then), so no new parameters. ``model.loop_memory``: ``union`` (one softmax over both key sets, the simplest
+reading), ``separate`` (two softmaxes, their outputs added), ``none`` (the plain looped model, for ablations).
+
+Halting head. A LayerNorm and Linear(d, 1) read the loop state after each iteration i and predict "continue". Its
+target comes from an oracle on detached per-iteration losses: continue_i(t) = 1 if the token's next-token loss after
+iteration i + 1 is lower than after iteration i (coda + head applied to each iteration's state), for i = 1..R-1;
+BCE with weight ``model.halt_coef``. The head reads a detached state (``halt_detach``, default true), so it learns
+to read the trunk without steering it (the abstract is silent on this). Training always runs all R loops. The
+oracle's per-token losses come from the fused chunked head (ops.linear_cross_entropy), never the full logits.
+
+Halting at inference (``n_steps`` not given): a token whose P(continue) after an iteration is below
+``halt_threshold`` stops; the others go on until all stop or R loops. A stopped token is not run any more: its state
+stays as it was, and at every later iteration each looped layer offers the other tokens, as its key and value, the
+K/V of the last iteration the token ran (its loop memory is not needed: it asks no more queries). That is the KV
+cache's rule for steps a token did not run (``KVCache.advance``, kv=full), so prefill + decode with a cache equals
+one forward over the whole sequence, logits and loops alike (tests/test_model_recurtrace.py), and it is causal: a
+token's depth and output depend on earlier tokens only. The arithmetic here is dense (every token's block runs, the
+stopped tokens' results are dropped), so halting saves no time in this implementation; it is what a decoder that
+skips stopped tokens computes. The compact KV strategies (last | first | averaged) compact over all R steps, a
+stopped token's repeated K/V included. ``halt_mode: sequence``: a row stops when its tokens' mean P(continue) does,
+the mean over the tokens of the forward: the whole prompt at prefill, the new token at decode (so it is per-token
+there), and over a whole sequence it lets later tokens decide earlier ones' depth: not causal, and a cached decode
+differs from one forward. ``last_loops`` ([B, T]) and ``last_mean_loops`` hold the loops of the last such forward
+(pads of a left-padded batch included). An explicit ``n_steps`` runs exactly that many loops for every token (exit
+curves, and the lm-eval adapter, which scores at ``n_steps``, default R: the threshold-0 model).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ops import linear_cross_entropy
+from pipeline.config import RecurTraceConfig
+from pipeline.model.layers import (MLP, KVCache, LayerNorm, at_step, block_flops_per_token, cache_slot, copy_full,
+                                   head_flops_per_token, head_output, init_gpt2_weights)
+from pipeline.model.recurrent import RecurrentLM
+
+
+class LoopMemoryAttention(nn.Module):
+    def __init__(self, cfg: RecurTraceConfig):
+        super().__init__()
+        d = cfg.d_model
+        self.n_head, self.mode = cfg.n_head, cfg.loop_memory
+        self.c_attn = nn.Linear(d, 3 * d, bias=cfg.bias)
+        self.c_proj = nn.Linear(d, d, bias=cfg.bias)
+        self.c_proj.is_residual_projection = True
+        self.resid_dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor, memory: list, kv=None, halted=None):
+        """x [B, T, C]; ``memory``: this layer's (k, v) [B, H, T, hd] of the earlier iterations. ``halted``
+        (inference): (active [B, T] bool, (k, v) of each token's last iteration run): a halted token offers that K/V
+        instead of this iteration's. Returns the attention output and this iteration's (k, v) as offered."""
+        B, T, C = x.shape
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in self.c_attn(x).split(C, 2))
+        if halted is not None:
+            ran, (k_last, v_last) = halted[0][:, None, :, None], halted[1]
+            k, v = torch.where(ran, k, k_last), torch.where(ran, v, v_last)
+        keys, values, key_mask = (k, v, None) if kv is None else kv.update(k, v)
+        scale = 1 / math.sqrt(C // self.n_head)
+        s_pos = (q @ keys.transpose(-1, -2)) * scale  # [B, H, T, past + T]
+        past = keys.shape[2] - T
+        query_pos = torch.arange(past, past + T, device=x.device)[:, None]
+        key_pos = torch.arange(past + T, device=x.device)[None, :]
+        allowed = key_pos <= query_pos  # cached keys, then causal
+        if key_mask is not None:  # a left-padded batch: pads are no keys; each query still sees itself
+            allowed = allowed & (key_mask[:, None, None, :] | (key_pos == query_pos))
+        s_pos = s_pos.masked_fill(~allowed, float("-inf"))
+        mem = memory if self.mode != "none" else []
+        if mem:
+            s_loop = torch.stack([(q * mk).sum(-1) for mk, _ in mem], -1) * scale  # [B, H, T, i-1]
+            v_loop = torch.stack([mv for _, mv in mem], -2)  # [B, H, T, i-1, hd]
+        if not mem:
+            y = torch.softmax(s_pos, -1) @ values
+        elif self.mode == "union":
+            p = torch.softmax(torch.cat([s_pos, s_loop], -1), -1)
+            n_pos = s_pos.shape[-1]
+            y = p[..., :n_pos] @ values + (p[..., n_pos:, None] * v_loop).sum(-2)
+        else:  # separate
+            y = torch.softmax(s_pos, -1) @ values + (torch.softmax(s_loop, -1)[..., None] * v_loop).sum(-2)
+        y = y.transpose(1, 2).reshape(B, T, C)
+        return self.resid_dropout(self.c_proj(y)), (k, v)
+
+
+class LoopBlock(nn.Module):
+    def __init__(self, cfg: RecurTraceConfig):
+        super().__init__()
+        self.ln_1 = LayerNorm(cfg.d_model, cfg.bias)
+        self.attn = LoopMemoryAttention(cfg)
+        self.ln_2 = LayerNorm(cfg.d_model, cfg.bias)
+        self.mlp = MLP(cfg.d_model, cfg.dropout, cfg.bias)
+
+    def forward(self, x, memory, kv=None, halted=None):
+        a, kv_now = self.attn(self.ln_1(x), memory, kv, halted)
+        x = x + a
+        return x + self.mlp(self.ln_2(x)), kv_now
+
+
+class LoopStep(nn.Module):
+    """One iteration of the looped core: h <- blocks(h), each block reading its own loop memory. Returns the new
+    state and each block's (k, v) of this iteration (the caller keeps them as the next iterations' memory).
+    ``halted`` (inference): (active [B, T], each block's (k, v) of the last iteration each token ran)."""
+
+    def __init__(self, cfg: RecurTraceConfig):
+        super().__init__()
+        self.blocks = nn.ModuleList(LoopBlock(cfg) for _ in range(cfg.n_core))
+
+    def forward(self, h: torch.Tensor, memories: list, cache=None, halted=None):
+        new = []
+        for j, (block, memory) in enumerate(zip(self.blocks, memories)):
+            last = None if halted is None else (halted[0], halted[1][j])
+            h, kv_now = block(h, memory, cache_slot(cache, block), last)
+            new.append(kv_now)
+        return h, new
+
+
+def oracle_targets(losses: torch.Tensor) -> torch.Tensor:
+    """[R, ...] per-iteration losses -> [R - 1, ...] targets: 1.0 where iteration i + 1 lowers the loss of i."""
+    return (losses[1:] < losses[:-1]).to(losses.dtype)
+
+
+class RecurTrace(RecurrentLM):
+    config_class = RecurTraceConfig
+
+    def __init__(self, cfg: RecurTraceConfig):
+        super().__init__(cfg, LoopStep(cfg))
+        self.ln_halt = LayerNorm(cfg.d_model, cfg.bias)
+        self.halt = nn.Linear(cfg.d_model, 1, bias=True)
+        self.last_loops: torch.Tensor | None = None  # [B, T] loops each token ran in the last halting forward
+        self.last_mean_loops: float | None = None
+
+    def init_weights(self, seed: int, assign=copy_full) -> None:
+        init_gpt2_weights(self, self.block_executions(self.cfg), seed, assign)
+
+    def halt_logit(self, h: torch.Tensor) -> torch.Tensor:
+        """[B, T] logit of P(continue) read from the loop state."""
+        return self.halt(self.ln_halt(h.detach() if self.cfg.halt_detach else h)).squeeze(-1)
+
+    def iterate(self, h: torch.Tensor, n: int, cache: KVCache | None = None):
+        """Yield the state after each of n iterations, the loop memory carried along."""
+        memories = [[] for _ in self.recur.blocks]
+        for i in range(n):
+            # a snapshot (tuples): activation checkpointing (core_step, blocks) recomputes the step in backward with
+            # the memory it saw here, not the lists as the later loops have grown them
+            h, new = self.recur(h, [tuple(m) for m in memories], at_step(cache, i))
+            for memory, kv_now in zip(memories, new):
+                memory.append(kv_now)
+            yield h
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, n_steps: int | None = None,
+                cache: KVCache | None = None):
+        cfg = self.cfg
+        start = cache.begin(idx) if cache is not None else 0
+        h0 = self.encode(idx, start, cache)
+        if targets is not None and self.training:
+            states = list(self.iterate(h0, cfg.n_recurrence))
+            head_in = self.readout(states[-1])
+            if cfg.halt_coef == 0 or cfg.n_recurrence == 1:
+                return head_output(self.lm_head, head_in, targets)
+            # the LM loss's fused head also hands over each token's CE: the oracle's last row, one head pass fewer
+            last = torch.empty(targets.shape, dtype=torch.promote_types(head_in.dtype, torch.float32),
+                               device=targets.device)
+            loss = linear_cross_entropy(head_in, self.lm_head.weight, targets, token_losses=last)
+            return None, loss + cfg.halt_coef * self.halting_loss(states, targets, last)
+        if n_steps is not None:
+            h = h0
+            for h in self.iterate(h0, n_steps, cache):
+                pass
+        else:
+            h = self.halted_state(h0, cache)
+        out = head_output(self.lm_head, self.readout(h, cache), targets)
+        if cache is not None:
+            cache.advance()
+        return out
+
+    @torch.no_grad()
+    def oracle_losses(self, states: list, targets: torch.Tensor, last: torch.Tensor | None = None) -> torch.Tensor:
+        """[R, B, T] detached next-token losses (nats; fp32, fp64 for an fp64 model) of coda + head on each
+        iteration's state, 0 where the target is -1, from the fused chunked head (ops.linear_cross_entropy, per
+        token): the [B, T, V] logits never exist (R of them per step took more memory traffic than the rest of a
+        training step at the toy's shape). ``last``: the last iteration's losses when the caller has them."""
+        todo = states if last is None else states[:-1]
+        losses = [linear_cross_entropy(self.readout(s), self.lm_head.weight, targets, reduction="none") for s in todo]
+        return torch.stack(losses + ([] if last is None else [last.to(losses[0].dtype)]))
+
+    def halting_loss(self, states: list, targets: torch.Tensor, last: torch.Tensor | None = None) -> torch.Tensor:
+        """BCE of the halting head after iterations 1..R-1 against the oracle (detached per-token losses; ``last``:
+        those after iteration R, if the caller has them)."""
+        target = oracle_targets(self.oracle_losses(states, targets, last))
+        logits = torch.stack([self.halt_logit(s) for s in states[:-1]])
+        valid = (targets >= 0).expand_as(logits)
+        return F.binary_cross_entropy_with_logits(logits[valid].float(), target[valid].float())
+
+    def halted_state(self, h: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        """Run up to R loops, each token (or row) stopping once P(continue) < halt_threshold: a stopped token keeps
+        its state and, at every later iteration, each looped layer offers it as a key with its K/V of the last
+        iteration it ran (module docstring). Sets ``last_loops`` and ``last_mean_loops``."""
+        cfg = self.cfg
+        active = torch.ones(h.shape[:2], dtype=torch.bool, device=h.device)
+        loops = torch.zeros(h.shape[:2], device=h.device)
+        memories = [[] for _ in self.recur.blocks]
+        for i in range(cfg.n_recurrence):
+            halted = None if i == 0 else (active, [memory[-1] for memory in memories])  # [-1]: each token's last run
+            new, kv_now = self.recur(h, [tuple(m) for m in memories], at_step(cache, i), halted)
+            for memory, kv in zip(memories, kv_now):
+                memory.append(kv)
+            loops = loops + active
+            h = torch.where(active[..., None], new, h)
+            p = torch.sigmoid(self.halt_logit(h))
+            go = p >= cfg.halt_threshold if cfg.halt_mode == "token" else \
+                (p.mean(-1, keepdim=True) >= cfg.halt_threshold).expand_as(p)
+            active = active & go
+            if not bool(active.any()):
+                break  # with a cache, advance() gives the steps not run each token's last K/V: the same rule
+        self.last_loops, self.last_mean_loops = loops, float(loops.mean())
+        return h
+
+    def exit_states(self, idx: torch.Tensor, exits, gates: dict | None = None, *, noise: bool = False):
+        """(e, coda + final LN of the state after e loops) for each e in ``exits`` (0: the prelude output)."""
+        if noise:
+            raise ValueError("model.type=recurtrace has no inference noise; set eval.noise=false")
+        wanted = sorted(set(exits))
+        h = self.encode(idx)
+        if 0 in wanted:
+            yield 0, self.readout(h)
+        for e, s in enumerate(self.iterate(h, wanted[-1]), 1):
+            if e in wanted:
+                yield e, self.readout(s)
+
+    def train_depth(self, seed: int, step: int, micro_step: int | None = None) -> None:
+        return None  # training runs all n_recurrence loops
+
+    @staticmethod
+    def flops_per_token(cfg: RecurTraceConfig, n_steps: int | None = None, with_head: bool = False,
+                        seq_len: int | None = None, executed: bool = False) -> int:
+        """Paper Eq. 1 over the block executions, plus the loop memory's scores and sums (4 d per earlier iteration,
+        per looped layer and iteration) and the halting head (2 d per iteration)."""
+        S, d = seq_len or cfg.block_size, cfg.d_model
+        n = cfg.n_recurrence if n_steps is None else n_steps
+        f = RecurTrace.block_executions(cfg, n) * block_flops_per_token(d, S)
+        if cfg.loop_memory != "none":
+            f += cfg.n_core * sum(4 * d * i for i in range(n))
+        f += 2 * d * n
+        return f + (head_flops_per_token(d, cfg.vocab_size) if with_head else 0)

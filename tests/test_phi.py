@@ -1,0 +1,65 @@
+"""The phi fit (pipeline/eval/phi.py) on synthetic losses drawn from the law with known parameters: it recovers phi
+inside its bootstrap interval, and the limits phi = 0 and phi = 1."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pipeline.eval.phi import Run, fit_phi, initial_grid, predict
+
+TRUE = {"E": 1.8, "A": 400.0, "alpha": 0.34, "B": 410.0, "beta": 0.28}
+
+
+def synthetic(phi: float, noise: float, seed: int = 0) -> list[Run]:
+    """An iso-depth grid like recipes/sweeps/phi/: r in {1, 2, 4, 8} x 3 widths x 3 token budgets, losses from the
+    law with multiplicative log-normal noise of ``noise``."""
+    rng = np.random.default_rng(seed)
+    runs = []
+    for r in (1, 2, 4, 8):
+        for n_rec in (2e6, 8e6, 3.2e7):
+            for tokens in (2e8, 8e8, 3.2e9):
+                n_once = 0.25 * n_rec
+                loss = predict({**TRUE, "phi": phi}, n_once, n_rec, r, tokens)
+                runs.append(Run(float(loss * np.exp(noise * rng.standard_normal())), n_once, n_rec, r, tokens))
+    return runs
+
+
+@pytest.mark.parametrize("phi", [0.0, 0.46, 1.0])
+def test_noiseless_losses_give_back_the_parameters(phi):
+    """Every sixth start of the default grid (16 of 96, for the suite's time) already recovers the law; the noisy test
+    below runs the default grid."""
+    fit = fit_phi(synthetic(phi, 0.0), n_boot=0, starts=initial_grid()[::6])
+    assert fit.params["phi"] == pytest.approx(phi, abs=2e-3)
+    assert fit.params["alpha"] == pytest.approx(TRUE["alpha"], rel=1e-2)
+    assert fit.params["E"] == pytest.approx(TRUE["E"], rel=1e-2)
+
+
+def test_noisy_losses_recover_phi_inside_its_bootstrap_interval():
+    fit = fit_phi(synthetic(0.46, 0.003, seed=1), n_boot=60, seed=2)
+    lo, hi = fit.ci["phi"]
+    assert lo <= 0.46 <= hi and hi - lo < 0.3, (fit.params["phi"], lo, hi)
+    assert lo <= fit.params["phi"] <= hi
+
+
+def test_a_sweep_without_several_depths_is_refused():
+    runs = [x for x in synthetic(0.5, 0.0) if x.r == 2]
+    with pytest.raises(ValueError, match="sweep r"):
+        fit_phi(runs)
+
+
+def test_parameter_split_counts_the_looped_step_as_n_rec():
+    """GRT 1+2x4+1 at d 64 by hand: a block 12d^2 + 13d; the step = 2 blocks + W_proj (2d^2 + d) + the gate (two
+    LayerNorms 4d, f_g's 2d->d and d->d with biases); once = prelude + coda blocks + the final LN (2d); embeddings
+    out by default (token 50,257 x d, positions 128 x d), in with with_embeddings. A dense model: all once."""
+    from pipeline.config import GPTConfig, GRTConfig
+    from pipeline.eval.phi import parameter_split
+
+    d = 64
+    block = 12 * d * d + 13 * d
+    step = 2 * block + (2 * d * d + d) + 4 * d + (2 * d * d + d) + (d * d + d)
+    cfg = GRTConfig(vocab_size=50257, block_size=128, d_model=d, n_head=2, n_prelude=1, n_core=2, n_coda=1,
+                    n_recurrence=4)
+    assert parameter_split(cfg) == (2 * block + 2 * d, step)
+    assert parameter_split(cfg, with_embeddings=True) == (2 * block + 2 * d + (50257 + 128) * d, step)
+    dense = GPTConfig(vocab_size=50257, block_size=128, d_model=d, n_head=2, n_layer=3)
+    assert parameter_split(dense) == (3 * block + 2 * d, 0)
