@@ -197,7 +197,7 @@ def self_kv_layout(T: int, tile: int, own_key: bool = True) -> tuple[float, floa
     keys/values, walking pipeline/model/self_kv_attention.py's recursion: a cross step's partial (rows = the right
     half: acc, and m, l per head); per tile of tau rows under A enclosing right halves, the A merges with their
     partials (acc, and m, l, two weights per head; the last merge's m, l are read only by the tile's later
-    positions), its own-key statistics (s and l = 1 per head, or one zero and a zero acc without an own key); per
+    positions), its own-key statistics (s and l = 1 per head, or m = EMPTY, l = 0 and a zero acc without one); per
     position after the first of its tile, the partial over the tile's earlier keys and the merge with it (two
     accs; m, l, two weights and the normaliser per head); the first only its normaliser."""
     rows = scalars = 0.0
@@ -208,7 +208,7 @@ def self_kv_layout(T: int, tile: int, own_key: bool = True) -> tuple[float, floa
             tau = hi - lo
             rows += A * tau + 2 * (tau - 1) + (0 if own_key else tau)
             read = A > 0 or tau > 1  # the own-key statistics are read by a merge
-            scalars += ((2 if own_key else 1) * tau if read else 0) + 4 * A * tau - (2 * tau if A and tau == 1 else 0)
+            scalars += (2 * tau if read else 0) + 4 * A * tau - (2 * tau if A and tau == 1 else 0)
             scalars += 5 * (tau - 1) + 1
             return
         mid = (lo + hi) // 2

@@ -127,6 +127,10 @@ class GRTConfig(RecurrentConfig):
         if self.backprop_steps is not None and self.backprop_steps < 1:
             p.append(f"model.backprop_steps must be >= 1 (or null: backprop through every step), got "
                      f"{self.backprop_steps}")
+        if self.backprop_steps is not None and not self.reinject and self.gate == "none":
+            p.append(f"model.backprop_steps={self.backprop_steps} with reinject=false and gate=none: nothing after the "
+                     f"no-grad steps reads h_pre, so the prelude and embeddings would get no gradient (and DDP "
+                     f"fails); turn reinject or the gate on, or set backprop_steps to null")
         p += _choice("model.gate", self.gate, ["elementwise", "none"])
         p += _choice("model.state_noise", self.state_noise, ["every_step", "init", "none"])
         p += _choice("model.init_state", self.init_state, ["prelude", "zeros", "noise"])
@@ -208,8 +212,13 @@ class RecurTraceConfig(RecurrentConfig):
         p = super().validate()
         if self.loop_memory not in ("union", "separate", "none"):
             p.append(f"model.loop_memory must be union, separate or none, got {self.loop_memory!r}")
-        if self.halt_coef < 0:
-            p.append(f"model.halt_coef must be >= 0, got {self.halt_coef}")
+        if self.halt_coef <= 0:
+            p.append(f"model.halt_coef must be > 0 (default 0.1), got {self.halt_coef}: the halting head learns only "
+                     f"from its BCE, so with 0 it stays untrained and gets no gradient (DDP fails on it); for a loop "
+                     f"without halting use loop_memory with halt_threshold=0, or model.type=grt")
+        if self.n_recurrence < 2:
+            p.append(f"model.n_recurrence must be >= 2 for recurtrace, got {self.n_recurrence}: the halting oracle "
+                     f"compares the loss after loop i + 1 with loop i, so one loop leaves nothing to halt or learn")
         if not 0.0 <= self.halt_threshold <= 1.0:
             p.append(f"model.halt_threshold must be in [0, 1], got {self.halt_threshold}")
         if self.halt_mode not in ("token", "sequence"):
@@ -677,7 +686,9 @@ def _resolve_bptt(cfg: RunConfig, data: dict) -> list[str]:
     model = data.get("model") if isinstance(data, dict) else None
     given = model.get("backprop_steps") if isinstance(model, dict) else None
     if given is not None and given != k:
-        return [f"train.bptt_k={k} and model.backprop_steps={given} disagree: they are the same k; set one of them"]
+        return [f"train.bptt_k={k} and the recipe's model.backprop_steps={given} disagree: they are the same k; "
+                f"set model.backprop_steps={k} instead of train.bptt_k, or remove backprop_steps from the model "
+                f"section"]
     cfg.model.backprop_steps = k
     return []
 

@@ -47,7 +47,7 @@ def poisson_depth(seed, step, r, sigma, micro=None):
 
 def tiny(cls, **kw):
     base = dict(vocab_size=64, block_size=16, d_model=32, n_head=2)
-    if cls in (GPTConfig, OuroConfig):
+    if issubclass(cls, (GPTConfig, OuroConfig)):
         base["n_layer"] = 2
     else:
         base.update(n_prelude=1, n_core=1, n_coda=1)

@@ -142,3 +142,15 @@ def test_compile_compiles_the_mlp_once_and_keeps_the_position_loop_eager():
     for T in (20, 12, 5):
         assert m(idx[:, :T], tgt[:, :T])[1].item() == ref(idx[:, :T], tgt[:, :T])[1].item()
     assert len(graphs) == 1
+
+
+def test_flops_count_the_memory_key_value_projection():
+    """Per layer GPT-2's 24d^2 + 4Sd plus the memory keys/values of the layer's output (2 x 2d^2), plus the head's
+    2dV, by hand at 3 layers, d 16, S 8, V 50; an exit after layer 2 counts 2 layers."""
+    from pipeline.config import RecurrentTransformerConfig
+    from pipeline.model.recurrent_transformer import RecurrentTransformer
+
+    cfg = RecurrentTransformerConfig(vocab_size=50, block_size=8, d_model=16, n_head=2, n_layer=3)
+    layer = 24 * 16 * 16 + 4 * 8 * 16 + 4 * 16 * 16
+    assert RecurrentTransformer.flops_per_token(cfg, with_head=True) == 3 * layer + 2 * 16 * 50
+    assert RecurrentTransformer.flops_per_token(cfg, 2) == 2 * layer

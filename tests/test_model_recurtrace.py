@@ -29,9 +29,10 @@ def make(**kw):
     return m
 
 
-def attention_by_hand(attn, x, memory):
-    """Token t, head h: softmax over [q.k_s for s <= t] + [q.k^(j)_t for earlier iterations j] (union), with
-    explicit loops; returns the attention output before c_proj's residual add (after c_proj)."""
+def attention_by_hand(attn, x, memory, mode="union"):
+    """Token t, head h: softmax over [q.k_s for s <= t] + [q.k^(j)_t for earlier iterations j] (union), or the
+    causal softmax plus a second softmax over the earlier iterations alone, added (separate); with explicit loops;
+    returns the attention output before c_proj's residual add (after c_proj)."""
     B, T, C = x.shape
     H = attn.n_head
     hd = C // H
@@ -42,24 +43,29 @@ def attention_by_hand(attn, x, memory):
         for t in range(T):
             for h in range(H):
                 sl = slice(h * hd, (h + 1) * hd)
-                keys = [k[b, s, sl] for s in range(t + 1)] + [mk[b, h, t] for mk, _ in memory]
-                vals = [v[b, s, sl] for s in range(t + 1)] + [mv[b, h, t] for _, mv in memory]
-                s_ = torch.stack([(q[b, t, sl] * kk).sum() / math.sqrt(hd) for kk in keys])
-                p = torch.softmax(s_, 0)
-                out[b, t, sl] = sum(p[j] * vals[j] for j in range(len(keys)))
+                causal = ([k[b, s, sl] for s in range(t + 1)], [v[b, s, sl] for s in range(t + 1)])
+                loop = ([mk[b, h, t] for mk, _ in memory], [mv[b, h, t] for _, mv in memory])
+                groups = [(causal[0] + loop[0], causal[1] + loop[1])] if mode == "union" else [causal, loop]
+                for keys, vals in groups:
+                    if not keys:
+                        continue
+                    s_ = torch.stack([(q[b, t, sl] * kk).sum() / math.sqrt(hd) for kk in keys])
+                    p = torch.softmax(s_, 0)
+                    out[b, t, sl] += sum(p[j] * vals[j] for j in range(len(keys)))
     return out @ attn.c_proj.weight.T + attn.c_proj.bias
 
 
-def test_loop_memory_attention_equals_the_per_token_reference():
-    m = make()
+@pytest.mark.parametrize("mode", ["union", "separate"])
+def test_loop_memory_attention_equals_the_per_token_reference(mode):
+    m = make(loop_memory=mode)
     attn = m.recur.blocks[0].attn
     x = torch.randn(2, 5, 16, dtype=torch.float64)
     memory = [(torch.randn(2, 2, 5, 8, dtype=torch.float64), torch.randn(2, 2, 5, 8, dtype=torch.float64))
               for _ in range(2)]
     got, _ = attn(x, memory)
-    torch.testing.assert_close(got, attention_by_hand(attn, x, memory), rtol=0, atol=1e-12)
+    torch.testing.assert_close(got, attention_by_hand(attn, x, memory, mode), rtol=0, atol=1e-12)
     plain, _ = attn(x, [])
-    torch.testing.assert_close(plain, attention_by_hand(attn, x, []), rtol=0, atol=1e-12)
+    torch.testing.assert_close(plain, attention_by_hand(attn, x, [], mode), rtol=0, atol=1e-12)
 
 
 def test_oracle_marks_where_one_more_iteration_lowers_the_loss():
@@ -113,14 +119,27 @@ def test_fused_mean_loss_hands_over_per_token_losses(grad):
 
 
 @pytest.mark.parametrize("mode", ["token", "sequence"])
-def test_threshold_zero_runs_every_loop_and_one_stops_after_the_first(mode):
+@pytest.mark.parametrize("bias", [0.0, 40.0, -40.0])
+def test_threshold_zero_runs_every_loop_and_one_stops_after_the_first(mode, bias):
+    """Also with a saturated head (halt bias +-40: P(continue) is exactly 1.0 or 0.0 in floating point), where a test
+    on the probability would keep looping at threshold 1 or stop at threshold 0."""
     idx = torch.randint(0, 61, (2, 7))
     never = make(halt_threshold=0.0, halt_mode=mode).eval()
+    always = make(halt_threshold=1.0, halt_mode=mode).eval()
+    with torch.no_grad():
+        never.halt.bias.fill_(bias)
+        always.halt.bias.fill_(bias)
     torch.testing.assert_close(never(idx)[0], never(idx, n_steps=3)[0], rtol=0, atol=0)
     assert never.last_mean_loops == 3.0
-    always = make(halt_threshold=1.0, halt_mode=mode).eval()
     torch.testing.assert_close(always(idx)[0], always(idx, n_steps=1)[0], rtol=0, atol=0)
     assert always.last_mean_loops == 1.0
+
+
+def test_a_token_continues_exactly_when_its_p_continue_reaches_the_threshold():
+    """Between 0 and 1 the per-token rule is P(continue) >= threshold, by hand from the sigmoid (float64)."""
+    m = make(halt_threshold=0.3).eval()
+    logit = torch.linspace(-3, 3, 61, dtype=torch.float64)[None]
+    assert torch.equal(m.continues(logit), torch.sigmoid(logit) >= 0.3)
 
 
 def test_decode_with_a_cache_equals_one_full_pass():
@@ -268,3 +287,25 @@ def test_eval_report_loss_mean_loops_and_flops_per_threshold(capsys):
 class Req:  # the part of lm-eval's Instance the adapter reads
     def __init__(self, *args):
         self.args = args
+
+
+def test_training_flops_add_the_oracles_readouts():
+    """3 x the forward (head included) plus, for loops 1..R-1, the coda blocks (24d^2 + 4Sd each) and the head (2dV),
+    by hand for 1+1x4+2 at d 16, S 8, V 61."""
+    from pipeline.model.recurtrace import RecurTrace
+
+    cfg = RecurTraceConfig(vocab_size=61, block_size=8, d_model=16, n_head=2, n_prelude=1, n_core=1, n_coda=2,
+                           n_recurrence=4)
+    d, S, V = 16, 8, 61
+    readout = 2 * (24 * d * d + 4 * S * d) + 2 * d * V
+    assert RecurTrace.training_flops_per_token(cfg, 4) == 3 * RecurTrace.flops_per_token(cfg, 4, with_head=True) \
+        + 3 * readout
+    assert f"{3 * readout:,} FLOPs/token" in RecurTrace.flops_notes(cfg)[0]
+
+
+def test_a_head_that_could_not_learn_is_refused():
+    """halt_coef 0 (the head's only signal is its BCE: untrained, no gradient, DDP fails) and one loop (nothing for
+    the oracle to compare) are recipe errors naming the fix."""
+    problems = RecurTraceConfig(halt_coef=0.0, n_recurrence=1).validate()
+    assert any(p.startswith("model.halt_coef must be > 0 (default 0.1), got 0.0") for p in problems), problems
+    assert any(p.startswith("model.n_recurrence must be >= 2 for recurtrace, got 1") for p in problems), problems

@@ -63,3 +63,30 @@ def test_parameter_split_counts_the_looped_step_as_n_rec():
     assert parameter_split(cfg, with_embeddings=True) == (2 * block + 2 * d + (50257 + 128) * d, step)
     dense = GPTConfig(vocab_size=50257, block_size=128, d_model=d, n_head=2, n_layer=3)
     assert parameter_split(dense) == (3 * block + 2 * d, 0)
+
+
+def test_runs_without_a_fixed_recurrence_count_are_refused(tmp_path):
+    """phi's r is the count every training step ran: a GRT run trained with r ~ U{1..R}, and types whose loop is
+    not one shared step (RRT's per-recursion LoRAs), are refused with the fix; the same run at a fixed depth reads
+    back with r = R and the parameter split."""
+    import yaml
+
+    from pipeline.config import RRTConfig, from_dict
+    from pipeline.eval.phi import parameter_split, runs_from_results
+
+    with pytest.raises(ValueError, match="model.type=rrt: phi is fitted over looped GRT runs and dense"):
+        parameter_split(RRTConfig(vocab_size=64, block_size=16, d_model=16, n_head=2))
+    model = {"type": "grt", "vocab_size": 64, "block_size": 16, "d_model": 16, "n_head": 2, "n_recurrence": 4}
+    results = []
+    for sampling in ("uniform", "fixed"):
+        step = tmp_path / sampling / "checkpoints" / "step_00000010"
+        step.mkdir(parents=True)
+        cfg = from_dict({"name": sampling, "model": {**model, "depth_sampling": sampling}})
+        (step / "recipe.yaml").write_text(yaml.safe_dump(cfg.to_dict()))
+        results.append({"name": sampling, "val_loss": 4.5, "checkpoint": str(step / "state.pt"),
+                        "tokens_trained": 1e5})
+    with pytest.raises(ValueError, match=r"depth_sampling=uniform \(r ~ U\{1..4\}\).*depth_sampling=fixed"):
+        runs_from_results(results[:1])
+    (run,) = runs_from_results(results[1:])
+    assert (run.r, run.loss, run.tokens) == (4, 4.5, 1e5)
+    assert (run.n_once, run.n_rec) == parameter_split(from_dict({"model": {**model, "depth_sampling": "fixed"}}).model)

@@ -125,3 +125,27 @@ def test_a_cached_past_and_left_pads_give_the_reference_and_match_one_pass(tile)
     for attend, kw in ((attend_reference, {}), (attend_tiled, {"tile": tile})):
         got = attend(*layer(padded, w), key_mask=mask, **kw)
         torch.testing.assert_close(got[..., 3:, :], whole, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("tile", [1, 2, 3])
+def test_no_own_key_and_scores_far_below_zero_stay_exact(tile):
+    """Without own keys, with every revealed key pointing away from every query (scores ~ -800, where exp
+    underflows even in float64): tiled equals the token-by-token reference, and its gradients are finite. An empty
+    partial that carried a finite max (0) would weight the real keys by exp(-800) = 0."""
+    torch.manual_seed(0)
+    B, H, N, d = 1, 2, 9, 4
+    q = torch.full((B, H, N, d), 40.0, dtype=torch.float64, requires_grad=True)
+    noise = 0.01 * torch.randn(B, H, N, d, dtype=torch.float64)
+    values = torch.randn(B, H, N, d, dtype=torch.float64)
+
+    def reveal(t0, t1, o):
+        return -10.0 + noise[..., t0:t1, :] + 0 * o, values[..., t0:t1, :] + o
+
+    ref = attend_reference(q, None, None, reveal)
+    til = attend_tiled(q, None, None, reveal, tile=tile)
+    torch.testing.assert_close(til, ref, rtol=1e-12, atol=1e-12)
+    assert ref[..., 1:, :].abs().amax() > 0.1  # the later positions do attend (position 0 has no key: 0)
+    (g,) = torch.autograd.grad(til.square().sum(), q)
+    (g_ref,) = torch.autograd.grad(ref.square().sum(), q)
+    assert torch.isfinite(g).all()
+    torch.testing.assert_close(g, g_ref, rtol=1e-10, atol=1e-12)

@@ -117,6 +117,10 @@ def test_real_sweep_tags_its_runs_so_compare_finds_them(tmp_path, corpus, capsys
     assert main(["compare", "--tracking-uri", recipe["tracking"]["uri"], "--experiment", "tests",
                  "--tag", "sweep=tiny-sweep", "--out", str(tmp_path / "cmp")]) == 0
     assert "tiny-one" in capsys.readouterr().out
+    # the same command again: the real checkpoint's recipe.yaml equals the recipe, so the run is skipped
+    assert main(["sweep", str(folder)]) == 0
+    out = capsys.readouterr().out
+    assert "tiny-one trained and evaluated at step" in out and "0 ok (+1 done before)" in out
 
 
 # ------------------------------------------------------------------------------------- the experiment grid

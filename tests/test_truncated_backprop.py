@@ -101,10 +101,15 @@ def test_train_bptt_k_is_the_models_backprop_steps():
     assert from_dict(recipe({"type": "poisson", "backprop_steps": 3}, {"bptt_k": 3})).model.backprop_steps == 3
     with pytest.raises(RecipeError) as e:
         from_dict(recipe({"type": "poisson", "backprop_steps": 2}, {"bptt_k": 3}))
-    assert "train.bptt_k=3 and model.backprop_steps=2 disagree" in str(e.value)
+    assert ("train.bptt_k=3 and the recipe's model.backprop_steps=2 disagree: they are the same k; set "
+            "model.backprop_steps=3 instead of train.bptt_k") in str(e.value)
     with pytest.raises(RecipeError) as e:
         from_dict(recipe({"type": "gpt", "n_layer": 2}, {"bptt_k": 3}))
     assert "model.type=gpt has no truncated backprop (grt and poisson do); remove train.bptt_k" in str(e.value)
+    with pytest.raises(RecipeError) as e:
+        from_dict(recipe({"type": "grt", "reinject": False, "gate": "none"}, {"bptt_k": 2}))
+    assert "model.backprop_steps=2 with reinject=false and gate=none: nothing after the no-grad steps reads h_pre" \
+        in str(e.value)
     with pytest.raises(RecipeError) as e:
         from_dict(recipe({"type": "grt", "backprop_steps": 0}, {"bptt_k": 0}))
     assert "train.bptt_k must be >= 1" in str(e.value) and "model.backprop_steps must be >= 1" in str(e.value)

@@ -89,9 +89,10 @@ def fit_phi(runs: list[Run], n_boot: int = 200, seed: int = 0, starts: list | No
     """The law's best fit over ``runs`` and percentile 95% bootstrap intervals of every parameter."""
     if len(runs) < len(PARAMS) + 1:
         raise ValueError(f"{len(runs)} runs cannot pin {len(PARAMS)} parameters; fit at least {len(PARAMS) + 1} "
-                         f"(recipes/sweeps/phi/ has 24)")
+                         f"(recipes/sweeps/phi/ has 16)")
     if len({x.r for x in runs}) < 2:
-        raise ValueError("every run has the same recurrence count r: phi is not identifiable; sweep r (e.g. 1, 2, 4, 8)")
+        raise ValueError("every run has the same recurrence count r: phi is not identifiable; sweep r (e.g. 1, 2, 4, "
+                         "8)")
     data = _arrays(runs)
     best = _minimise(data, starts or initial_grid())
     fit = PhiFit(_named(best.x), float(best.fun), len(runs))
@@ -118,19 +119,20 @@ def _named(theta) -> dict:
 
 
 def parameter_split(model_cfg, with_embeddings: bool = False) -> tuple[int, int]:
-    """(N_once, N_rec) of a model config: N_rec the looped module's parameters (``model.recur``: GRT's core, W_proj
-    and gate; Poisson's core and adapter), N_once the rest (a dense model: all, N_rec 0). Embeddings (token and
+    """(N_once, N_rec) of a GRT or dense config: N_rec the looped module's parameters (``model.recur``: GRT's core,
+    W_proj and gate, hyper-connections included), N_once the rest (a dense model: all, N_rec 0). Embeddings (token and
     position; the head is tied to the token embedding) are left out unless ``with_embeddings``: at toy widths the
     50,257-row embedding dwarfs the blocks and would leave phi unidentifiable (Kaplan et al.'s non-embedding
     convention); the abstract does not say which it counts."""
     from pipeline.model.registry import build_model, count_params
 
+    if model_cfg.type not in ("grt", "gpt"):
+        raise ValueError(f"model.type={model_cfg.type}: phi is fitted over looped GRT runs and dense (gpt) runs, where "
+                         f"N_rec (the looped step, run r times) and N_once are defined; the other types loop other "
+                         f"things (per-recursion LoRAs, routers, the whole stack) or sample their depth")
     model = build_model(model_cfg, device="meta")
     total = count_params(model)["params"]
     recur = getattr(model, "recur", None)
-    if recur is None and not getattr(model, "exits_are_layers", False):
-        raise ValueError(f"model.type={model_cfg.type} has no single looped module (model.recur) to count as N_rec; "
-                         f"phi is fitted over grt, poisson and dense (gpt) runs")
     n_rec = 0 if recur is None else sum(p.numel() for p in recur.parameters())
     emb = 0 if with_embeddings else sum(p.numel() for p in model.embed.parameters())
     return total - n_rec - emb, n_rec
@@ -153,6 +155,10 @@ def runs_from_results(results: list[dict], with_embeddings: bool = False) -> lis
         if run_dir is None:
             raise FileNotFoundError(f"no recipe.yaml above {ckpt} (run {res['name']}): phi needs the run's model shape")
         cfg = load_recipe(run_dir / "recipe.yaml")
+        if getattr(cfg.model, "depth_sampling", "fixed") != "fixed":
+            raise ValueError(f"run {res['name']} trained with model.depth_sampling={cfg.model.depth_sampling} (r ~ "
+                             f"U{{1..{cfg.model.n_recurrence}}}): phi's r is the recurrence count every step trained "
+                             f"at; train the sweep with model.depth_sampling=fixed (recipes/sweeps/phi/ does)")
         n_once, n_rec = parameter_split(cfg.model, with_embeddings)
         r = getattr(cfg.model, "n_recurrence", 1) if n_rec else 1
         rows.append(Run(float(res["val_loss"]), n_once, n_rec, int(r), float(res["tokens_trained"]), res["name"]))

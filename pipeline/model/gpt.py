@@ -53,7 +53,7 @@ class GPT(nn.Module):
         """One pass, yielding (layer l, final-LN'd states after layer l) for each l in ``exits`` (no gates: a
         ``gates`` dict stays empty)."""
         if noise:  # nothing to turn on: this model trains without noise too (dropout is not inference noise)
-            raise ValueError("model.type=gpt has no inference noise: eval.noise=true is for the types in "
+            raise ValueError(f"model.type={self.cfg.type} has no inference noise: eval.noise=true is for the types in "
                              "pipeline.model.registry.NOISY_TYPES (grt, poisson); set eval.noise=false")
         wanted = sorted(set(exits))
         h = self.embed(idx)

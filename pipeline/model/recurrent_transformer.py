@@ -63,13 +63,14 @@ class SelfKVBlock(nn.Module):
         q, k_own, v_own = (self._heads(t) for t in self.c_attn(self.ln_1(x)).split(C, dim=2))
         if self.cfg.own_key == "none":
             k_own = v_own = None
-        outputs = []
+        outputs, revealed = [], []
 
         def reveal(t0: int, t1: int, o: torch.Tensor):
             y = x[:, t0:t1] + self.resid_dropout(self.c_proj(o.transpose(1, 2).reshape(B, t1 - t0, C)))
             y = y + self.mlp(self.ln_2(y))
             outputs.append(y)
-            return self.memory_kv(y)
+            revealed.append(self.memory_kv(y))
+            return revealed[-1]
 
         past = None
         if kv is not None and kv.k is not None and kv.cache.pos:
@@ -83,8 +84,8 @@ class SelfKVBlock(nn.Module):
         extra = {"tile": self.cfg.tile} if self.cfg.prefill == "tiled" else {}
         attend(q, k_own, v_own, reveal, past=past, key_mask=key_mask, **extra)
         y = torch.cat(outputs, dim=1)
-        if kv is not None:
-            kv.update(*self.memory_kv(y))  # the new tokens' memory keys/values, for the tokens after them
+        if kv is not None:  # the new tokens' memory keys/values (computed once, in reveal), for the tokens after them
+            kv.update(torch.cat([k for k, _ in revealed], 2), torch.cat([v for _, v in revealed], 2))
         return y
 
 
@@ -101,3 +102,21 @@ class RecurrentTransformer(GPT):
     @staticmethod
     def shorthand(cfg: RecurrentTransformerConfig) -> str:
         return f"{cfg.n_layer}L self-KV"
+
+    @staticmethod
+    def flops_per_token(cfg: RecurrentTransformerConfig, n_steps: int | None = None, with_head: bool = False,
+                        seq_len: int | None = None, executed: bool = False) -> int:
+        """GPT-2's count (Eq. 1 without recurrence) plus each layer's memory keys/values: c_attn's key/value rows
+        on ln_1 of the layer's output, 2 x 2d^2 per token; ``n_steps`` = exit layer."""
+        f = GPT.flops_per_token(cfg, n_steps, with_head, seq_len, executed)
+        return f + GPT.block_executions(cfg, n_steps) * 4 * cfg.d_model ** 2
+
+    @staticmethod
+    def flops_notes(cfg: RecurrentTransformerConfig) -> list[str]:
+        extra = 4 * cfg.d_model ** 2 * cfg.n_layer
+        notes = [f"each layer also projects its own outputs to the memory keys/values: +{extra:,} FLOPs/token over "
+                 f"a GPT-2 of the same shape (counted above)"]
+        if cfg.own_key == "none":
+            notes.append(f"own_key=none: the block still computes the (unused) key/value of its input, another "
+                         f"{extra:,} FLOPs/token not counted above")
+        return notes

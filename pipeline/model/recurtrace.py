@@ -215,14 +215,22 @@ class RecurTrace(RecurrentLM):
                 memory.append(kv)
             loops = loops + active
             h = torch.where(active[..., None], new, h)
-            p = torch.sigmoid(self.halt_logit(h))
-            go = p >= cfg.halt_threshold if cfg.halt_mode == "token" else \
-                (p.mean(-1, keepdim=True) >= cfg.halt_threshold).expand_as(p)
-            active = active & go
+            active = active & self.continues(self.halt_logit(h))
             if not bool(active.any()):
                 break  # with a cache, advance() gives the steps not run each token's last K/V: the same rule
         self.last_loops, self.last_mean_loops = loops, float(loops.mean())
         return h
+
+    def continues(self, logit: torch.Tensor) -> torch.Tensor:
+        """[B, T] bool: which tokens go on after this iteration. Threshold 0 and 1 are exact (always / never: a
+        saturated sigmoid is 1.0 in fp32 from logit ~17, in bf16 from ~8, so ``p >= 1`` would keep a confident head
+        looping); per token the test is on the logit, logit >= log(th / (1 - th)), the same as P >= th."""
+        th = self.cfg.halt_threshold
+        if th <= 0 or th >= 1:
+            return torch.full(logit.shape, th <= 0, dtype=torch.bool, device=logit.device)
+        if self.cfg.halt_mode == "token":
+            return logit >= math.log(th / (1 - th))
+        return (torch.sigmoid(logit.float()).mean(-1, keepdim=True) >= th).expand(logit.shape)
 
     def exit_states(self, idx: torch.Tensor, exits, gates: dict | None = None, *, noise: bool = False):
         """(e, coda + final LN of the state after e loops) for each e in ``exits`` (0: the prelude output)."""
@@ -238,6 +246,32 @@ class RecurTrace(RecurrentLM):
 
     def train_depth(self, seed: int, step: int, micro_step: int | None = None) -> None:
         return None  # training runs all n_recurrence loops
+
+    @classmethod
+    def training_flops_per_token(cls, cfg: RecurTraceConfig, n_steps: int | None = None) -> int:
+        """One training step (forward + backward = 3x forward, head included) plus the halting oracle's readouts:
+        coda and head on the state after each of loops 1..n-1, forward only (no_grad; loop n's losses come from the
+        LM loss's own pass): the trainer's MFU."""
+        n = cfg.n_recurrence if n_steps is None else n_steps
+        return 3 * cls.flops_per_token(cfg, n, with_head=True) + (n - 1) * RecurTrace.readout_flops(cfg)
+
+    @staticmethod
+    def readout_flops(cfg: RecurTraceConfig) -> int:
+        """Coda blocks and the tied head on one state, per token."""
+        return cfg.n_coda * block_flops_per_token(cfg.d_model, cfg.block_size) + head_flops_per_token(
+            cfg.d_model, cfg.vocab_size)
+
+    @staticmethod
+    def flops_notes(cfg: RecurTraceConfig) -> list[str]:
+        R = cfg.n_recurrence
+        oracle = (R - 1) * RecurTrace.readout_flops(cfg)
+        train = RecurTrace.training_flops_per_token(cfg)
+        return [f"training also reads out the state after loops 1..{R - 1} (coda + head, no grad) for the halting "
+                f"oracle: {oracle:,} FLOPs/token, {oracle / train:.1%} of a training step's {train:,}; the trainer's "
+                f"MFU counts it",
+                "inference with halting still runs every loop for every token (a halted token's state is frozen, "
+                "not skipped): the FLOPs above are those of n_recurrence loops; `grt eval` reports the mean loops "
+                "a token needed"]
 
     @staticmethod
     def flops_per_token(cfg: RecurTraceConfig, n_steps: int | None = None, with_head: bool = False,

@@ -45,16 +45,20 @@ class Traffic:
         return self.read + self.written
 
 
+EMPTY = -1e30  # the row max of a partial with no key: below any score, finite in fp32 and bf16
+
+
 def _partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, key_mask: torch.Tensor | None = None):
     """Online-softmax partial of the queries ``q`` over the keys/values ``k``, ``v`` (every key visible to every
     query, but those ``key_mask`` [B, keys] marks False, e.g. left pads): (m, l, acc) with m the row max of the
-    scores, l = sum exp(s - m), acc = exp(s - m) @ v. A row with no key gets m = 0, l = 0, acc = 0 (merges as
-    nothing)."""
+    scores, l = sum exp(s - m), acc = exp(s - m) @ v. A row with no key gets m = EMPTY, l = 0, acc = 0: it merges as
+    nothing, whatever the other side's scale (with m = 0 a partial whose scores are all below about -87 would get
+    the weight exp(s - 0) = 0 in the merge), and two empty partials merge into an empty one (no -inf - -inf)."""
     s = torch.einsum("bhqd,bhkd->bhqk", q, k) * scale
     if key_mask is not None:
         s = s.masked_fill(~key_mask[:, None, None, :], float("-inf"))
     m = s.amax(-1, keepdim=True)
-    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    m = torch.where(torch.isfinite(m), m, torch.full_like(m, EMPTY))
     p = torch.exp(s - m)
     return m, p.sum(-1, keepdim=True), p @ v
 
@@ -179,7 +183,7 @@ def attend_tiled(q: torch.Tensor, k_own: torch.Tensor, v_own: torch.Tensor, reve
         qt = q[..., lo:hi, :]
         if k_own is None:  # no own key: an empty partial
             z = qt[..., :1] * 0
-            stats = (z, z, qt * 0)
+            stats = (z + EMPTY, z, qt * 0)
             tr.read += (hi - lo) * d
         else:  # each query's own key: a one-key partial
             s = (qt * k_own[..., lo:hi, :]).sum(-1, keepdim=True) * scale
