@@ -168,8 +168,9 @@ def _describe(cfg) -> str:
     info = model_info(cfg.model)
     tokens = cfg.train.max_steps * cfg.train.micro_batch_size * cfg.train.grad_accum_steps * cfg.model.block_size
     tags = ", ".join(f"{k}={v}" for k, v in cfg.tracking.tags.items()) or "none"
+    amount = f"{tokens / 1e9:.2f}B" if tokens >= 1e8 else f"{tokens / 1e6:.3g}M"
     return (f"{cfg.model.type} {info['shorthand']} (d={cfg.model.d_model}), {cfg.train.max_steps:,} steps, "
-            f"{tokens / 1e9:.2f}B tokens; run folder {cfg.run_dir}; tags {tags}")
+            f"{amount} tokens; run folder {cfg.run_dir}; tags {tags}")
 
 
 def summary_table(rows: list[SweepRow], folder: str | Path) -> str:
