@@ -8,10 +8,16 @@ Accounting (P = unique parameters, N = ranks, c = bytes of the compute dtype: 2 
     single             4P (fp32)       4P               8P (the fp32 params are the master)   c<2: 2P_mm autocast copies
     ddp                4P              4P + 4P buckets  8P                                    c<2: 2P_mm autocast copies
     fsdp (FSDP2)       4P/N            4P/N             8P/N                                  gathered units, see below
-    deepspeed zero 0   cP              cP               2cP (bf16: Adam on the bf16 params)
+    deepspeed zero 0   cP              cP (+4P bf16)    8P (+4P fp32 master with bf16)
     deepspeed zero 1   cP              cP               12P/N (+4P/N fp32 grad partition)
+      bf16             2P              2P + 4P          12P/N   (BF16_Optimizer: a full fp32 gradient buffer)
     deepspeed zero 2   cP              cP/N + bucket    12P/N (+4P/N)
     deepspeed zero 3   cP/N            cP/N             12P/N (+4P/N)                         gathered units
+
+FSDP2 reduce-scatters the gradients after every micro-step (pipeline/train/backend.py), so a rank never holds
+more than its 4P/N gradient shard between micro-steps; within one backward the looped core's unsharded fp32
+gradient is held (the last term of "gathered units"). DeepSpeed under bf16 accumulates and reduces gradients in fp32
+(``data_types.grad_accum_dtype``, ``communication_data_type``), as the other backends do.
 
 P_mm: matmul weights (autocast keeps their bf16 casts through forward and backward). "Gathered units" (FSDP2 and
 ZeRO-3): the root (every parameter outside the blocks and the recurrence step: embeddings, final LN, Ouro's exit
@@ -111,7 +117,15 @@ def model_state_bytes(pc: ParamCounts, backend: str, zero_stage: int, world: int
         root = pc.embed * (4 - c) + (2 * pc.embed if bf16 else 0)
         out = {"parameters": 4 * P / N, "gradients": 4 * P / N, "optimizer": 8 * P / N, "extra": gathered + root}
     elif zero_stage == 0:
-        out = {"parameters": c * P, "gradients": c * P, "optimizer": 2 * c * P, "extra": 0}
+        # bf16: DeepSpeed's mixed-precision optimizer keeps an fp32 master copy, its fp32 gradients at the step and
+        # fp32 AdamW state beside the bf16 module (20P); fp32: the module's parameters are the master (16P)
+        out = {"parameters": c * P, "gradients": c * P + (4 * P if bf16 else 0),
+               "optimizer": 8 * P + (4 * P if bf16 else 0), "extra": 0}
+    elif zero_stage == 1 and bf16:
+        # bf16 with fp32 gradient accumulation (the other backends' precision) is DeepSpeed's BF16_Optimizer at
+        # stage 1: a full, unpartitioned fp32 gradient buffer beside the bf16 gradients, the master and AdamW
+        # state partitioned
+        out = {"parameters": 2 * P, "gradients": 2 * P + 4 * P, "optimizer": 12 * P / N, "extra": 0}
     else:
         sharded_opt = 12 * P / N + 4 * P / N  # fp32 master + m + v, and the fp32 gradient partition
         bucket = min(5e8, P) * c if zero_stage == 2 else 0  # reduce_bucket_size default 5e8 elements

@@ -27,11 +27,21 @@ from pipeline.train.checkpoint import SHARDS_DIR, checkpoint_format_of, verify_c
 
 
 def pick_device(name: str, local_rank: int = 0) -> torch.device:
+    """The device of the process with this node-local rank. Where a scheduler gives each process its own GPUs
+    (SLURM ``--gpus-per-task=1``, a per-rank ``CUDA_VISIBLE_DEVICES``) the process sees fewer devices than the node
+    has ranks: the rank's device is its local rank modulo the devices it sees (one device: index 0)."""
     if name == "cuda" or (name == "auto" and torch.cuda.is_available()):
         if not torch.cuda.is_available():
             raise ValueError("train.device=cuda but torch sees no CUDA device; use train.device=cpu or auto")
-        torch.cuda.set_device(local_rank)
-        return torch.device("cuda", local_rank)
+        visible = torch.cuda.device_count()
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0)
+        if visible > 1 and local_world > visible:  # modulo would put two ranks on one GPU: NCCL refuses that
+            raise ValueError(f"{local_world} processes on this node but each sees only {visible} CUDA devices "
+                             f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}): launch "
+                             f"at most {visible} processes per node, or give each process its own GPU")
+        index = local_rank % visible
+        torch.cuda.set_device(index)
+        return torch.device("cuda", index)
     return torch.device("cpu")
 
 
@@ -112,6 +122,9 @@ class SingleProcess:
     def reduce_mean(self, value: float) -> float:
         return value
 
+    def reduce_max(self, value: float) -> float:
+        return value
+
     def barrier(self, patient: bool = False) -> None:
         pass
 
@@ -173,8 +186,18 @@ class SingleProcess:
             raise ValueError(f"cannot resume {folder}: it holds model weights only (converted from another format), "
                              f"no optimizer state; evaluate or export it, or resume from the original checkpoint")
         if fmt == "full":
-            set_state_dict(self.unwrap(model), optimizer, model_state_dict=state["model"],
-                           optim_state_dict=state["optimizer"], options=StateDictOptions(full_state_dict=True))
+            # rank 0 holds the checkpoint's tensors and broadcasts them: the other ranks never touch their (memory-
+            # mapped, see load_checkpoint) copy, so a node of 8 ranks does not hold 8 copies of model + optimizer
+            broadcast = dist.is_initialized() and self.world_size > 1
+            mine = not broadcast or self.is_main
+            from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+            # two calls, not set_state_dict: given an empty model dict it would skip the model on ranks > 0 and
+            # leave rank 0 alone in the model's broadcast
+            options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=broadcast)
+            set_model_state_dict(self.unwrap(model), state["model"] if mine else {}, options=options)
+            set_optimizer_state_dict(self.unwrap(model), optimizer, state["optimizer"] if mine else {},
+                                     options=options)
             return
         import torch.distributed.checkpoint as dcp
 
@@ -199,12 +222,14 @@ class TorchDistributed(SingleProcess):
         self.device = pick_device(cfg.device, self.local_rank)
         self.amp_dtype = autocast_dtype(cfg.dtype, self.device)
         self._init_process_group(datetime.timedelta(seconds=cfg.collective_timeout_s))
-        self._checkpoint_group = None
-        if cfg.async_checkpoint:
-            self._checkpoint_group = dist.new_group(backend="gloo")
-        # for waiting on long work of some ranks (hashing a checkpoint or the dataset, a DeepSpeed conversion): the
-        # training collectives' timeout is for a rank that stopped answering, not for one that is reading 100 GB
+        # for waiting on long work of some ranks (hashing a checkpoint or the dataset, a DeepSpeed conversion, rank 0
+        # writing a full checkpoint to network storage): the training collectives' timeout (and NCCL's watchdog) is
+        # for a rank that stopped answering, not for one that is writing or reading 100 GB
         self._patient_group = dist.new_group(backend="gloo", timeout=PATIENT_TIMEOUT)
+        # the checkpoint writes' coordination (torch.distributed.checkpoint's gathers and barriers): patient as well,
+        # and a group of its own, since an async save coordinates from a background thread while the training runs
+        # collectives on the others
+        self._checkpoint_group = dist.new_group(backend="gloo", timeout=PATIENT_TIMEOUT)
 
     def _init_process_group(self, timeout: datetime.timedelta) -> None:
         if not dist.is_initialized():
@@ -212,8 +237,6 @@ class TorchDistributed(SingleProcess):
                                     device_id=self.device if self.device.type == "cuda" else None)
 
     def checkpoint_group(self):
-        # dcp.async_save coordinates from a background thread while training runs collectives: it gets a gloo group
-        # of its own (CPU-capable, and never interleaved with the training's collectives), made at start-up
         return self._checkpoint_group
 
     def all_true(self, flag: bool, patient: bool = False) -> bool:
@@ -229,6 +252,11 @@ class TorchDistributed(SingleProcess):
         t = torch.tensor([value], dtype=torch.float64, device=self.device)
         dist.all_reduce(t)
         return t.item() / self.world_size
+
+    def reduce_max(self, value: float) -> float:
+        t = torch.tensor([value], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._patient_group)
+        return t.item()
 
     def barrier(self, patient: bool = False) -> None:
         dist.barrier(group=self._patient_group if patient else None)
@@ -269,11 +297,20 @@ class FSDP(TorchDistributed):
     name = "fsdp"
 
     def setup(self, model, optimizer_fn):
+        from pipeline.train.parallelize import looped_modules
+
+        self._looped = looped_modules(model)
         return model, optimizer_fn(model)
 
-    def no_sync(self, model, last_micro: bool):
-        model.set_requires_gradient_sync(last_micro)  # reduce-scatter once per step
-        return contextlib.nullcontext()
+    # no_sync stays the base's no-op: every micro-step reduce-scatters its gradients (as torchtitan does). Turning
+    # the sync off between micro-steps would make FSDP2 keep a full, unsharded fp32 gradient of every parameter
+    # (4P bytes per rank instead of 4P/N) until the last one: an out-of-memory the preflight would not predict.
+
+    def backward(self, model, loss, accum, last_micro) -> None:
+        from pipeline.train.parallelize import gathered_through_backward
+
+        with gathered_through_backward(self._looped):
+            (loss / accum).backward()
 
 
 def skip_shared_memory_op(deepspeed) -> None:
@@ -310,16 +347,31 @@ class DeepSpeed(TorchDistributed):
         from pipeline.config import deep_merge
 
         c = self.cfg
+        bf16 = self.amp_dtype == torch.bfloat16
+        accum = c.grad_accum_steps // self.world_size
+        if bf16 and c.zero_stage == 0 and accum > 1:
+            raise ValueError(f"train.zero_stage=0 with train.dtype=bfloat16 and {accum} micro-steps per rank: "
+                             f"DeepSpeed {_deepspeed_version()} accumulates stage 0's gradients in bf16 (it refuses "
+                             f"fp32 accumulation there), so this run would not train what the other backends train; "
+                             f"use train.zero_stage=1 (fp32 accumulation, sharded optimizer state) or "
+                             f"train.backend=ddp")
         config = {
             "train_micro_batch_size_per_gpu": c.micro_batch_size,
             "gradient_accumulation_steps": c.grad_accum_steps // self.world_size,
             "gradient_clipping": c.grad_clip,
             "zero_optimization": {"stage": c.zero_stage},
-            "bf16": {"enabled": self.amp_dtype == torch.bfloat16},
+            "bf16": {"enabled": bf16},
             "steps_per_print": 1 << 30,
             "wall_clock_breakdown": False,
             "zero_allow_untested_optimizer": True,
         }
+        if bf16:
+            # the precision of the other backends' gradients: accumulated over micro-steps and reduced over ranks
+            # in fp32 (DeepSpeed's bf16 default is bf16 for both). At stage 0 the accumulation dtype must equal the
+            # model's (checked above: one micro-step per rank, nothing to accumulate)
+            config["communication_data_type"] = "fp32"
+            if c.zero_stage > 0:
+                config["data_types"] = {"grad_accum_dtype": "fp32"}
         return deep_merge(config, c.deepspeed or {})
 
     def setup(self, model, optimizer_fn):
@@ -416,6 +468,12 @@ class DeepSpeed(TorchDistributed):
         self.barrier(patient=True)
         self._engine._config.load_universal_checkpoint = True  # read at load time (the flag is a config entry)
         return "deepspeed_universal"
+
+
+def _deepspeed_version() -> str:
+    import deepspeed
+
+    return deepspeed.__version__
 
 
 PATIENT_TIMEOUT = datetime.timedelta(hours=6)

@@ -17,6 +17,7 @@ import os
 import re
 import shutil
 import time
+import zipfile
 from pathlib import Path
 
 import torch
@@ -277,7 +278,9 @@ def load_checkpoint(path: str | Path, map_location="cpu", verify: bool = True) -
                              f"convert`, so its recipe is unknown")
         return {**json.loads(meta), "checkpoint_format": "safetensors"}
     with unreadable_as_damage(f):
-        return torch.load(f, map_location=map_location, weights_only=False)
+        # memory-mapped: a tensor's bytes are read when it is used, so a rank that takes only the step, the loader
+        # and the recipe (the others of a resume, which get the weights broadcast from rank 0) never reads them
+        return torch.load(f, map_location=map_location, weights_only=False, mmap=zipfile.is_zipfile(f))
 
 
 @contextlib.contextmanager

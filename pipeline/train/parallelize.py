@@ -1,9 +1,11 @@
 """Parallelism applied to a built model from the outside (the model files know nothing of it): activation
 checkpointing, torch.compile and FSDP2 sharding, per block. Every recurrent model exposes the same parts: ``prelude``
 and ``coda`` blocks, and ``recur``, one recurrence step as a module with its looped blocks in ``recur.blocks``. The recurrent core is checkpointed per recurrence step and its blocks
-stay gathered through the forward (``reshard_after_forward=False``), so the looped core is all-gathered once per
-forward, not once per recurrence step."""
+stay gathered through the forward (``reshard_after_forward=False``) and the backward (:func:`gathered_through_backward`),
+so the looped core is all-gathered once per micro-step, not once per recurrence step."""
 from __future__ import annotations
+
+import contextlib
 
 import torch
 import torch.nn as nn
@@ -68,6 +70,27 @@ def apply_fsdp(model: nn.Module, amp_dtype: torch.dtype) -> None:
     if hasattr(model, "recur"):
         fully_shard(model.recur, mp_policy=mp, reshard_after_forward=False)  # W_proj and the gate
     fully_shard(model, mp_policy=MixedPrecisionPolicy(cast_forward_inputs=False))  # fp32: see above
+
+
+def looped_modules(model: nn.Module) -> list[nn.Module]:
+    """The FSDP2 units that run R times per forward: the looped core's blocks and the recurrence step."""
+    return [*model.recur.blocks, model.recur] if hasattr(model, "recur") else []
+
+
+@contextlib.contextmanager
+def gathered_through_backward(modules: list[nn.Module]):
+    """One backward in which the FSDP2 units ``modules`` (the looped core) stay gathered from the forward to the end
+    of the backward, then reshard. ``reshard_after_forward=False`` covers the forward only: by default each of the
+    R backward passes through a unit reshards it at its end, so the next pass all-gathers it again (R - 1 extra
+    all-gathers per unit and micro-step; counted in tests/test_gpu_paths.py)."""
+    for m in modules:
+        m.set_reshard_after_backward(False, recurse=False)
+    try:
+        yield
+    finally:
+        for m in modules:
+            m.set_reshard_after_backward(True, recurse=False)
+            m.reshard()
 
 
 def compile_targets(model: nn.Module) -> list[nn.Module]:

@@ -80,6 +80,8 @@ FAULT_KILL_IN_SAVE = int(os.environ.get("GRT_FAULT_KILL_IN_SAVE", "0") or 0)
 _fault_signal = os.environ.get("GRT_FAULT_SIGNAL_AT_STEP", "").partition(":")
 FAULT_SIGNAL_AT_STEP = (int(_fault_signal[0] or 0), getattr(signal, _fault_signal[2] or "SIGINT", None)
                         or signal.Signals(int(_fault_signal[2])))
+# ... or make rank 0's write of a checkpoint's state.pt take this many seconds longer (slow network storage)
+FAULT_SLOW_SAVE_S = float(os.environ.get("GRT_FAULT_SLOW_SAVE_S", "0") or 0)
 # ... or make the loss of these steps NaN (comma-separated), to exercise the non-finite path
 FAULT_NAN_STEPS = {int(x) for x in os.environ.get("GRT_FAULT_NAN_STEPS", "").split(",") if x.strip()}
 
@@ -214,6 +216,7 @@ class Trainer:
             raise ValueError(f"every checkpoint under {self.ckpt_dir} is damaged (each moved aside as damaged_step_*, "
                              f"see the warnings): nothing to resume from. Start the run over under another name=, "
                              f"or remove {self.ckpt_dir} to train this one from scratch")
+        t0, rss = time.perf_counter(), PeakRSS()
         state = load_checkpoint(newest, map_location="cpu", verify=False)
         diff = model_config_diff(state["recipe"]["model"], dataclasses.asdict(self.cfg.model))
         if diff:
@@ -224,12 +227,32 @@ class Trainer:
         self.step = state["step"]
         self.skipped_steps = state.get("skipped_steps", 0)
         self.tracker_run_id = state.get("mlflow_run_id")
+        saved_recipe = state["recipe"]
+        del state  # the checkpoint's tensors (a mapping, or whole copies) go now; what stays is the loaded state
+        self._report_resume(newest, time.perf_counter() - t0, rss)
         if self.backend.is_main:
-            changes = recipe_changes(state["recipe"], self.cfg.to_dict())
+            changes = recipe_changes(saved_recipe, self.cfg.to_dict())
             if changes:
                 print(f"note: the recipe changed since the checkpoint at step {self.step} ({newest / 'recipe.yaml'}):"
                       f" {'; '.join(changes)}", file=sys.stderr, flush=True)
             cut_metrics_back(self.run_dir, self.step)
+
+    def _report_resume(self, folder: Path, seconds: float, rss: PeakRSS) -> None:
+        """One line on rank 0: how long the load took and the host memory it took on the ranks, summed: the rise of
+        each rank's peak resident memory over the load, and of that what was only held while loading (the rest
+        stays: the optimizer state made by the load, which a fresh run makes at its first step)."""
+        import gc
+
+        gc.collect()
+        m = rss.measure()
+        be = self.backend
+        peak, transient = m["rss_peak_over_before_mb"], m["rss_peak_mb"] - m["rss_now_mb"]
+        peak_sum, transient_sum = (be.reduce_mean(v) * be.world_size for v in (peak, transient))
+        transient_max = be.reduce_max(transient)
+        if be.is_main:
+            print(f"resume: {folder} loaded in {seconds:.1f} s; host memory over the load, summed over "
+                  f"{be.world_size} rank(s): peak +{peak_sum:,.0f} MB, of which {transient_sum:,.0f} MB only while "
+                  f"loading (at most {transient_max:,.0f} MB on one rank)", flush=True)
 
     def save(self) -> Path | None:
         """Every rank takes part; rank 0 publishes the folder atomically once every rank has written its part. With
@@ -244,6 +267,8 @@ class Trainer:
         state = {"step": self.step, "loader": self.loader.state_dict(), "recipe": self.cfg.to_dict(),
                  "mlflow_run_id": self.tracker_run_id, "info": self.info, "skipped_steps": self.skipped_steps,
                  "world_size": self.backend.world_size}
+        if FAULT_SLOW_SAVE_S and self.backend.is_main:
+            time.sleep(FAULT_SLOW_SAVE_S)
         pending = self.backend.save_model_optimizer(self.model, self.optimizer, tmp, state)
         if self.step == FAULT_KILL_IN_SAVE:
             os.kill(os.getpid(), signal.SIGKILL)
@@ -265,7 +290,9 @@ class Trainer:
         self._pending_save = None
         if pending is not None:
             pending.result()  # raises here if this rank's background write failed
-        self.backend.barrier()
+        # every wait on another rank's file I/O is patient: rank 0 alone writes a full checkpoint, and a multi-GB
+        # write to network storage outlasts collective_timeout_s (and NCCL's watchdog)
+        self.backend.barrier(patient=True)
         if self.backend.world_size > 1:  # every rank hashes a share of the files for the index (rank 0 the rest)
             hash_share(staging_dir(self.ckpt_dir, step), self.backend.rank, self.backend.world_size)
             self.backend.barrier(patient=True)
@@ -530,8 +557,9 @@ class PeakRSS:
             with open("/proc/self/status") as f:
                 peak = next((int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:")), None)
         peak = max(peak or 0, self._proc.memory_info().rss)
-        return {"rss_before_mb": self.before / 2**20, "rss_peak_mb": peak / 2**20,
-                "rss_peak_over_before_mb": (peak - self.before) / 2**20}
+        now = self._proc.memory_info().rss
+        return {"rss_before_mb": self.before / 2**20, "rss_peak_mb": max(peak, now) / 2**20,
+                "rss_peak_over_before_mb": (max(peak, now) - self.before) / 2**20, "rss_now_mb": now / 2**20}
 
 
 def train(cfg: RunConfig) -> dict:
