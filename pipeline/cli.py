@@ -332,6 +332,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="end a continuation at any of these strings (cut from the output; \\n = newline, "
                         "\\t = tab, \\\\ = backslash)")
     s.add_argument("--device", default="auto", help="auto (CUDA when present), cuda or cpu")
+    s.add_argument("--dtype", default="auto", help="the forwards' precision: auto (bf16 autocast and TF32 on a GPU "
+                                                   "with bf16, fp32 on the CPU), bfloat16 or float32")
     s.set_defaults(fn=cmd_generate)
     # subcommands that live with their stage
     from launch.cli import add_launch_parser

@@ -410,6 +410,18 @@ class TrainConfig:
             p.append("train.checkpoint_format=full with train.backend=deepspeed: DeepSpeed writes its own sharded "
                      "format; use checkpoint_format auto or sharded, and `grt checkpoint convert RUN --to full` for "
                      "one file")
+        # the raw train.deepspeed config is merged over the generated one: its stage is the one DeepSpeed runs
+        zero = self.deepspeed.get("zero_optimization") if isinstance(self.deepspeed, dict) else None
+        stage = zero.get("stage", self.zero_stage) if isinstance(zero, dict) else self.zero_stage
+        if self.compile and self.backend == "deepspeed" and stage == 3:
+            # Measured (DeepSpeed 0.19.8, torch 2.13, 2 CPU ranks, the linear layers run inside compiled graphs
+            # counted as tests/compile_count_worker.py counts them): ZeRO-3's gather/release hooks on every module
+            # split each compiled block into hook fragments (72 graph breaks, the recompile limit hit) and 0 of the
+            # 274 linear calls of 6 training steps ran compiled (ZeRO-1/2, ddp and fsdp: all 274). The losses
+            # equalled eager's because the run was eager.
+            p.append("train.compile=true with train.backend=deepspeed and ZeRO stage 3: dynamo stops at ZeRO-3's "
+                     "per-module parameter hooks and compiles none of the model (it would train eagerly); use "
+                     "train.zero_stage=1 or 2, train.backend=fsdp, or train.compile=false")
         if self.async_checkpoint and self.resolved_checkpoint_format() != "sharded":
             p.append(f"train.async_checkpoint=true needs sharded torch checkpoints (backend single, ddp or fsdp with "
                      f"checkpoint_format sharded), got backend={self.backend}, checkpoint_format="
@@ -463,6 +475,9 @@ class EvalConfig:
     task_data_dir: Optional[str] = None  # laid out like shared/data/eval (default: GRT_EVAL_DATA or a shared/ above)
     task_limit: Optional[int] = None  # items per task (default: all)
     task_batch_size: int = 64
+    # the forwards' arithmetic (exit curve, downstream tasks): auto (bf16 autocast + TF32 on a bf16-capable GPU, fp32
+    # on the CPU) | bfloat16 | float32 (IEEE, the reference); the head's log-probabilities stay fp32 under any
+    dtype: str = "auto"
     # Algorithm 1 samples eps_x / eps_g at inference too; Appendix E evaluates with noise off (the default). true: the
     # exit curve and the traced per-step analyses run with the training noise on, from the global RNG seeded with the
     # run's seed before each pass (the prompt traces, gate maps and anchor ablation stay noise-off); the results go
@@ -478,6 +493,7 @@ class EvalConfig:
         p = []
         if self.analysis_tokens < 2:
             p.append(f"eval.analysis_tokens must be >= 2, got {self.analysis_tokens}")
+        p += _choice("eval.dtype", self.dtype, ["auto", "float32", "bfloat16"])
         for a in self.analyses:
             if a not in ANALYSIS_NAMES + ("default", "all"):
                 near = difflib.get_close_matches(a, ANALYSIS_NAMES + ("default", "all"), n=1)

@@ -76,6 +76,7 @@ def ouro_report(model, cfg, batches, device) -> dict:
         x, y = x.to(device), y.to(device)
         states = dict(model.exit_states(x, loops))
         losses, _, _ = exit_stats(states, model.lm_head.weight, y, ref=T)  # [tokens, T]: CE at each loop
+        losses = losses.cpu()  # beside the exit distribution, read on the host
         p = model.exit_distribution(x, T).reshape(-1, T).double().cpu()
         p_sum += p.sum(dim=0)
         cdf = p.cumsum(dim=-1)

@@ -14,11 +14,10 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from pipeline.eval.exits import logsumexp_into
+from pipeline.eval.exits import head_chunk, logsumexp_into
 from pipeline.infer.generate import generate
+from pipeline.infer.precision import exact_fp32
 from pipeline.model.kv_cache import KVCache
-
-HEAD_CHUNK = 256  # rows of vocabulary-sized logits computed at a time
 
 Request = tuple[Sequence[int], Sequence[int]]
 
@@ -42,7 +41,7 @@ def loglikelihoods(model, requests: Sequence[Request], depths: Sequence[int], ba
     """
     device = next(model.parameters()).device
     w = model.lm_head.weight.float().t()
-    bufs = [torch.empty(HEAD_CHUNK, w.shape[1], device=device) for _ in range(2)]
+    bufs = [torch.empty(head_chunk(w.shape[1], device, buffers=2), w.shape[1], device=device) for _ in range(2)]
     windows = [_window(c, t, max_length) for c, t in requests]
     cut = sum(len(t) > max_length for _, t in requests)
     if cut:
@@ -71,8 +70,8 @@ def loglikelihoods(model, requests: Sequence[Request], depths: Sequence[int], ba
             tok_lp, hit = _target_log_probs(states[rows_t, cols_t], w, tgt, bufs)
             ll = torch.zeros(len(idxs), dtype=torch.float64, device=device).index_add_(0, own, tok_lp.double())
             misses = torch.zeros(len(idxs), device=device).index_add_(0, own, 1.0 - hit)
-            for row, i in enumerate(idxs):
-                out[depth][i] = (ll[row].item(), bool(misses[row].item() == 0))
+            for i, ll_i, misses_i in zip(idxs, ll.tolist(), misses.tolist()):  # one host transfer each per batch
+                out[depth][i] = (ll_i, misses_i == 0)
         if progress:
             progress(len(idxs))
     return out
@@ -81,16 +80,18 @@ def loglikelihoods(model, requests: Sequence[Request], depths: Sequence[int], ba
 def _target_log_probs(states: torch.Tensor, w: torch.Tensor, targets: torch.Tensor,
                       bufs: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """log p(target) and whether the target is the argmax, for rows of final-LN'd states; the [rows, V] logits exist
-    ``HEAD_CHUNK`` rows at a time, in two reused buffers."""
+    as many rows at a time as the two reused buffers hold, in exact fp32 whatever the forward's precision."""
     lp = torch.empty(len(targets), device=states.device)
     hit = torch.empty(len(targets), device=states.device)
-    for a in range(0, len(targets), HEAD_CHUNK):
-        n = min(HEAD_CHUNK, len(targets) - a)
-        logits, scratch = bufs[0][:n], bufs[1][:n]
-        torch.matmul(states[a:a + n].float(), w, out=logits)
-        t = targets[a:a + n, None]
-        lp[a:a + n] = (logits.gather(1, t) - logsumexp_into(logits, scratch, softmax=False)).squeeze(1)
-        hit[a:a + n] = (logits.argmax(dim=-1) == t.squeeze(1)).float()
+    chunk = bufs[0].shape[0]
+    with exact_fp32(states.device):
+        for a in range(0, len(targets), chunk):
+            n = min(chunk, len(targets) - a)
+            logits, scratch = bufs[0][:n], bufs[1][:n]
+            torch.matmul(states[a:a + n].float(), w, out=logits)
+            t = targets[a:a + n, None]
+            lp[a:a + n] = (logits.gather(1, t) - logsumexp_into(logits, scratch, softmax=False)).squeeze(1)
+            hit[a:a + n] = (logits.argmax(dim=-1) == t.squeeze(1)).float()
     return lp, hit
 
 
@@ -157,4 +158,4 @@ def _decode_batch(model, rows: list[tuple[list[int], list[int], list[int]]], n_s
         ll.index_add_(0, r, sel.gather(1, t[:, None]).squeeze(1) - sel.logsumexp(dim=-1))
         misses.index_add_(0, r, (sel.argmax(dim=-1) != t).float())
         col += feed.shape[1]
-    return [(ll[row].item(), bool(misses[row].item() == 0)) for row in range(len(rows))]
+    return [(ll_row, misses_row == 0) for ll_row, misses_row in zip(ll.tolist(), misses.tolist())]

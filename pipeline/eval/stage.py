@@ -14,12 +14,13 @@ from pipeline.config import (RecipeError, RunConfig, apply_overrides, file_in_th
 from pipeline.model import build_model, exits_are_layers, model_class, model_info
 from pipeline.model.registry import NOISY_TYPES
 from pipeline.tracking import open_tracker
-from pipeline.train.backend import pick_device
+from pipeline.train.backend import autocast_dtype, pick_device
 from pipeline.train.checkpoint import full_model_state, load_checkpoint, resolve_checkpoint
 from pipeline.train.data import TokenShards, check_shards, validation_batches, window_problems
 from pipeline.train.trainer import check_dataset_matches_model
 from pipeline.eval.analyses import analysis_metrics, analysis_plots, print_analyses, run_analyses
 from pipeline.eval.exits import exit_curve, exit_flops
+from pipeline.infer.precision import inference_precision
 from pipeline.eval.methods import method_metrics, method_report, print_method_report, routing
 from pipeline.eval.plots import plot_diagnostics, plot_exit_curves, plot_gate_heatmaps
 
@@ -125,7 +126,8 @@ def evaluate(path: str | Path, overrides: list[str] | None = None, quiet: bool =
 
     torch.manual_seed(cfg.seed)  # eval.noise draws from the global RNG: the same noise on every rerun
     with routing(model, "topk"):  # MoR: its exit curve as trained (method_report adds the causal routing)
-        curve = exit_curve(model, batches(), exits, ref, device, keep_tokens=ev.diagnostics, noise=ev.noise)
+        curve = exit_curve(model, batches(), exits, ref, device, keep_tokens=ev.diagnostics, noise=ev.noise,
+                           dtype=ev.dtype)
     shown = [i for i, e in enumerate(curve["exit"]) if e >= 1]  # r = 0 is reported apart, as loss_r0
     pick = lambda key: [curve[key][i] for i in shown]  # noqa: E731
     result = {
@@ -136,6 +138,7 @@ def evaluate(path: str | Path, overrides: list[str] | None = None, quiet: bool =
         "trained_depth": trained_depth, "ref_exit": ref, "val_tokens": curve["val_tokens"],
         "exit": pick("exit"), "loss": pick("loss"), "kl": pick("kl"), "top1": pick("top1"),
         "dataset_dir": cfg.data.dataset_dir, "noise": ev.noise, "seconds": None,
+        "dtype": str(autocast_dtype(ev.dtype, device)).removeprefix("torch."),
     }
     result["val_loss"] = result["loss"][result["exit"].index(ref)]
     if recurrent:
@@ -155,8 +158,9 @@ def evaluate(path: str | Path, overrides: list[str] | None = None, quiet: bool =
         from pipeline.eval.downstream import run_tasks
 
         depths = ev.task_depths or [ref]
-        result["downstream"] = run_tasks(model, cfg, list(ev.tasks), depths, ev.task_batch_size, ev.task_data_dir,
-                                         ev.task_limit, quiet=quiet)
+        with inference_precision(ev.dtype, device):  # the forwards; their log-probabilities are taken in fp32
+            result["downstream"] = run_tasks(model, cfg, list(ev.tasks), depths, ev.task_batch_size,
+                                             ev.task_data_dir, ev.task_limit, quiet=quiet)
 
     out_dir.mkdir(parents=True, exist_ok=True)
     overlay = [result] + [r for r in baseline if r["name"] != cfg.name]
@@ -296,8 +300,9 @@ def print_report(result: dict) -> None:
         result["type"], "recurrence step r")
     noise = (", noise ON (eval.noise)" if result.get("noise") else ", noise off") if result["type"] in NOISY_TYPES \
         else ""
+    arithmetic = f", {result['dtype']} forward" if result.get("dtype") else ""
     print(f"eval: {result['name']} ({result['shorthand']}) step {result['step']}, {result['val_tokens']:,} val "
-          f"tokens{noise}, {result['seconds']:.1f} s")
+          f"tokens{noise}{arithmetic}, {result['seconds']:.1f} s")
     if recurrent:
         print(f"  before any {kind.removesuffix(' r')} (exit 0): loss {result['loss_r0']:.4f}")
     gates = result.get("gate_mean") or [None] * len(result["exit"])

@@ -7,8 +7,11 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import torch
+
 from pipeline.infer.early_exit import CRITERIA, EXIT_TYPES, EarlyExit
 from pipeline.infer.generate import generate
+from pipeline.infer.precision import PRECISIONS, autocast_dtype
 from pipeline.infer.sampling import Sampler, sampling_problems, seeded_generator
 from pipeline.infer.text import TokenText
 from pipeline.model import exits_are_layers
@@ -69,7 +72,15 @@ def option_problems(args, n_prompts: int) -> list[str]:
         p.append(f"--exit-threshold applies to an exit criterion: add --exit {{{','.join(CRITERIA)}}} or drop it")
     if any(s == "" for s in args.stop or []):
         p.append("--stop '': an empty stop string would end every generation at once; drop it")
+    if precision_of(args) not in PRECISIONS:
+        p.append(f"--dtype {precision_of(args)}: choose one of {', '.join(PRECISIONS)} (auto: bf16 on a GPU that has "
+                 f"it, fp32 elsewhere)")
     return p
+
+
+def precision_of(args) -> str:
+    """--dtype: the forwards' precision (pipeline/infer/precision.py)."""
+    return args.dtype
 
 
 def model_problems(args, cfg, n_vocab: int) -> list[str]:
@@ -127,11 +138,12 @@ def generate_command(args, out=None, err=None) -> int:
         out.write(prompts[0])
         out.flush()
     gen = generate(model, ids, args.max_new_tokens, block_size, n_steps=args.n_steps, kv=args.kv, sampler=sampler,
-                   stop=stop, early_exit=early)
+                   stop=stop, early_exit=early, dtype=precision_of(args))
+    arithmetic = {torch.bfloat16: "bf16", torch.float32: "fp32"}[autocast_dtype(precision_of(args), device)]
     depth = early.n_max if early else (args.n_steps or model_class(cfg.model.type).full_depth(cfg.model))
     halting = cfg.model.type == "recurtrace" and args.n_steps is None  # its halting head sets each token's loops
     speed = (f"{gen.n_tokens} new tokens in {gen.seconds:.2f} s, {gen.n_tokens / max(gen.seconds, 1e-9):.1f} "
-             f"tokens/s (prefill included; {device.type}, kv={args.kv})")
+             f"tokens/s (prefill included; {device.type} {arithmetic}, kv={args.kv})")
     for row, (prompt, text) in enumerate(zip(prompts, texts)):
         rest = text.finish()
         out.write(rest if args.stream else prompt + rest)

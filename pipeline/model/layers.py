@@ -69,6 +69,8 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
     if past == 0:
         return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
+    if T == 1:  # one decoded token: it sees every cached key, so no mask, and SDPA may pick a flash/efficient kernel
+        return F.scaled_dot_product_attention(q, k, v)
     mask = torch.ones(T, past + T, dtype=torch.bool, device=q.device).tril(past)  # cached keys, then causal
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
