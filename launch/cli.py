@@ -50,6 +50,9 @@ def add_launch_parser(sub) -> None:
     s.add_argument("--template", default=None, help="slurm: your own sbatch template (default "
                                                     "launch/templates/sbatch.sh)")
     s.add_argument("--grace", type=int, default=300, help="slurm: seconds between SIGTERM and the time limit")
+    s.add_argument("--cpus-per-node", type=int, default=None, metavar="N",
+                   help="slurm: CPUs for each node's G ranks together (sbatch --cpus-per-task, one task per node); "
+                        "default: whole nodes (--exclusive)")
     s.add_argument("--time", default=None, help="slurm: --time (e.g. 24:00:00)")
     s.add_argument("--partition", default=None, help="slurm: --partition")
     s.add_argument("--account", default=None, help="slurm: --account")
@@ -82,13 +85,20 @@ def preflight(cfg, args) -> int | None:
     return None
 
 
+# Files only the user may read: .deepspeed_env copies node 0's HF_* and MLFLOW_* variables, tokens included, onto a
+# filesystem the nodes share (DeepSpeed reads it on node 0 only, as the user)
+PRIVATE = {".deepspeed_env"}
+
+
 def write_files(paths: dict[str, str]) -> None:
     """Write atomically: on a shared filesystem every node of a per-node launch writes the same file."""
     for path, text in paths.items():
         p = Path(path)
         p.parent.mkdir(parents=True, exist_ok=True)
         tmp = p.with_name(f".{p.name}.{os.getpid()}.tmp")
-        tmp.write_text(text)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600 if p.name in PRIVATE else 0o666)
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
         os.replace(tmp, p)
 
 
@@ -104,7 +114,8 @@ def cmd_launch(args) -> int:
                          master_addr=args.master_addr, master_port=args.master_port, node_rank=args.node_rank,
                          data=args.data, hostfile=args.hostfile, hosts=args.hosts.split(",") if args.hosts else None,
                          setup=args.setup if args.setup is not None else default_setup(), grace_s=args.grace,
-                         time=args.time, partition=args.partition, account=args.account)
+                         time=args.time, partition=args.partition, account=args.account,
+                         cpus_per_node=args.cpus_per_node)
     except PlanError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -81,6 +81,7 @@ class Plan:
     hosts: list[str] = field(default_factory=list)
     setup: str = ""  # shell lines each SLURM node runs first (environment activation)
     grace_s: int = 300  # slurm: TERM this long before the time limit
+    cpus_per_node: int | None = None  # slurm: CPUs of each node's task (its ranks share them); None: the whole node
     time: str | None = None  # slurm --time
     partition: str | None = None
     account: str | None = None
@@ -104,7 +105,8 @@ def make_plan(*, launcher: str, nodes: int, gpus_per_node: int, recipe: str, ove
               backend: str, run_dir: str, workdir: str, environ: dict, master_addr: str | None = None,
               master_port: int | None = None, node_rank: int | None = None, data: str | None = None,
               hostfile: str | None = None, hosts: list[str] | None = None, setup: str = "", grace_s: int = 300,
-              time: str | None = None, partition: str | None = None, account: str | None = None) -> Plan:
+              time: str | None = None, partition: str | None = None, account: str | None = None,
+              cpus_per_node: int | None = None) -> Plan:
     """Check the launch options against each other and the recipe; raise :class:`PlanError` listing every problem."""
     p = []
     if launcher not in LAUNCHERS:
@@ -148,6 +150,14 @@ def make_plan(*, launcher: str, nodes: int, gpus_per_node: int, recipe: str, ove
                      f"{gpus_per_node} slots; fix their `slots=`")
     if (hostfile or hosts) and launcher != "deepspeed":
         p.append(f"--hostfile/--hosts are for --launcher deepspeed; {launcher} does not read them")
+    if cpus_per_node is not None:
+        if launcher != "slurm":
+            p.append(f"--cpus-per-node is for --launcher slurm (it sets the job's --cpus-per-task); {launcher} runs on "
+                     f"the CPUs the node gives it: drop --cpus-per-node")
+        elif cpus_per_node < gpus_per_node:
+            p.append(f"--cpus-per-node {cpus_per_node} is fewer than --gpus-per-node {gpus_per_node}: every rank needs "
+                     f"a CPU of its own; give at least {gpus_per_node}, or leave it out to take whole nodes "
+                     f"(--exclusive)")
     if master_port is not None and not 1024 <= master_port <= 65535:
         p.append(f"--master-port {master_port}: choose a free port in 1024..65535")
     if launcher == "slurm" and any(c.isspace() for c in workdir + run_dir):
@@ -166,4 +176,4 @@ def make_plan(*, launcher: str, nodes: int, gpus_per_node: int, recipe: str, ove
                 name=name, backend=backend, run_dir=run_dir, workdir=workdir, master_port=port, port_source=source,
                 master_addr=master_addr or (None if nodes > 1 else "127.0.0.1"), node_rank=node_rank, data=data,
                 hostfile=hostfile, hosts=hosts, setup=setup, grace_s=grace_s, time=time, partition=partition,
-                account=account)
+                account=account, cpus_per_node=cpus_per_node)

@@ -16,11 +16,26 @@ from launch.plan import PORT_BASE, PORT_SPAN, Plan
 
 TEMPLATES = Path(__file__).parent / "templates"
 PLACEHOLDER = re.compile(r"\{\{(\w+)\}\}")
-# Variables a remote rank started by DeepSpeed's pdsh runner must get from node 0. DeepSpeed 0.19.8 already passes
-# those starting with MLFLOW, PYTHON, MV2, UCX (and NCCL on CUDA); the rest would be lost on the other nodes.
-DEEPSPEED_ENV_PREFIXES = ("NCCL_", "GLOO_", "TORCH_", "TORCHINDUCTOR_", "PYTORCH_", "CUDA_DEVICE_MAX_CONNECTIONS",
-                          "OMP_NUM_THREADS", "MKL_NUM_THREADS", "HF_", "MLFLOW_", "GRT_", "DS_ACCELERATOR", "TRITON_",
-                          "LD_LIBRARY_PATH")
+# Variables a remote rank started by DeepSpeed's pdsh runner must get from node 0: the remote shell starts with none
+# of node 0's environment. DeepSpeed 0.19.8 passes by itself only those starting with MLFLOW, PYTHON, MV2, UCX (and
+# NCCL on CUDA); everything else, e.g. the libfabric settings of an AWS EFA cluster (FI_PROVIDER=efa), would be lost
+# and NCCL would fall back to TCP sockets. The ones DeepSpeed passes are listed too, so that the file alone carries
+# them whatever DeepSpeed's own list becomes.
+DEEPSPEED_ENV_PREFIXES = (
+    # the collectives and their transports: NCCL and its libfabric plugin (EFA: FI_*, OFI_NCCL_*, RDMAV_FORK_SAFE),
+    # UCX, gloo
+    "NCCL_", "FI_", "OFI_NCCL_", "RDMAV_", "UCX_", "GLOO_",
+    # torch, its compiler, CUDA and the libraries they load
+    "TORCH_", "TORCHINDUCTOR_", "PYTORCH_", "TRITON_", "CUDA_", "LD_LIBRARY_PATH", "DS_ACCELERATOR",
+    "OMP_NUM_THREADS", "MKL_NUM_THREADS",
+    # data, tracking, this pipeline, Python itself
+    "HF_", "MLFLOW_", "GRT_", "PYTHON")
+# Set on every node by the launcher itself: node 0's value would be wrong there (DeepSpeed gives each rank its
+# CUDA_VISIBLE_DEVICES from the hostfile's slots)
+DEEPSPEED_ENV_NODE_OWN = {"CUDA_VISIBLE_DEVICES", "DS_ENV_FILE"}
+# DeepSpeed 0.19.8's EXCLUDE_ENVS: on a cluster that sets the key it drops these itself (per-node network cards); the
+# file would otherwise put node 0's cards back on every node
+DEEPSPEED_ENV_EXCLUDE = {"AISC_JOB_NAME": ("NCCL_IB_HCA", "UCX_NET_DEVICES")}
 
 
 @dataclass
@@ -106,8 +121,9 @@ def deepspeed_env_text(plan: Plan, environ: dict) -> str:
     from the working directory, only when it starts nodes over ssh, and splits every line at the first ``=``: no
     comments or blank lines are allowed. Its own entries are added after the variables it exports by itself, so
     PYTHONPATH is written as DeepSpeed would set it (the working directory first)."""
+    dropped = DEEPSPEED_ENV_NODE_OWN.union(*(names for key, names in DEEPSPEED_ENV_EXCLUDE.items() if key in environ))
     env = {k: v for k, v in sorted(environ.items())
-           if k.startswith(DEEPSPEED_ENV_PREFIXES) and "\n" not in v and k != "DS_ENV_FILE"}
+           if k.startswith(DEEPSPEED_ENV_PREFIXES) and "\n" not in v and k not in dropped}
     env["PYTHONPATH"] = ":".join(x for x in (plan.workdir, environ.get("PYTHONPATH", "")) if x)
     return "".join(f"{k}={v}\n" for k, v in env.items())
 
@@ -127,8 +143,12 @@ def fill(template: str, values: dict) -> str:
 
 def sbatch_script(plan: Plan, template: str | None = None) -> str:
     """The sbatch script of the plan, from ``launch/templates/sbatch.sh`` (or ``template``'s text)."""
-    options = [f"#SBATCH --{k}={v}" for k, v in (("time", plan.time), ("partition", plan.partition),
-                                                  ("account", plan.account)) if v]
+    # One task per node runs all of the node's ranks, but a job that asks for no CPUs gets one per task (or the
+    # cluster's DefCpuPerGPU): every rank, its compile workers and its collectives' threads would share one core.
+    # Given a count, the task gets it (srun is passed it below: SRUN_CPUS_PER_TASK); otherwise the whole node.
+    cpus = "--exclusive" if plan.cpus_per_node is None else f"--cpus-per-task={plan.cpus_per_node}"
+    options = [f"#SBATCH {cpus}"] + [f"#SBATCH --{k}={v}" for k, v in (
+        ("time", plan.time), ("partition", plan.partition), ("account", plan.account)) if v]
     # An explicit --master-port is used as is; otherwise bash computes job_port()'s formula from the job id.
     port = (str(plan.master_port) if plan.port_source == "--master-port"
             else f"$(( {PORT_BASE} + SLURM_JOB_ID % {PORT_SPAN} ))")

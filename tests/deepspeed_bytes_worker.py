@@ -1,7 +1,8 @@
 """Run by tests/test_gpu_paths.py as one rank (RANK/WORLD_SIZE/MASTER_* set by the test): the DeepSpeed backend with
 train.dtype=bfloat16 at ZeRO stage STAGE, two training steps of a small GRT; inside the second optimizer step (the
 peak of model state: gradients, master weights and AdamW state all alive) the bytes of every tensor alive in the
-process, against the preflight's parameters + gradients + optimizer for the same model and plan.
+process, against the preflight's parameters + gradients + optimizer for the same model and plan; and the dtypes the
+engine runs with (what it made of the generated config).
 
 Usage: python tests/deepspeed_bytes_worker.py STAGE OUT_JSON
 """
@@ -44,7 +45,10 @@ def main(stage: int, out: Path) -> None:
         be.backward(engine, loss, 1, True)
         be.step(engine, opt)
     est = model_state_bytes(count_params(cfg), "deepspeed", stage, 1, bf16=True)
-    out.write_text(json.dumps({"measured": seen[-1], "preflight": est["parameters"] + est["gradients"] +
+    model_dtype, accum_dtype = engine.get_data_types()
+    out.write_text(json.dumps({"engine_dtypes": {"model": str(model_dtype), "grad_accum": str(accum_dtype),
+                                                 "communication": str(engine.communication_data_type)},
+                               "measured": seen[-1], "preflight": est["parameters"] + est["gradients"] +
                                est["optimizer"], "rows": est, "params": sum(p.numel() for p in engine.parameters())}))
     be.close()
 

@@ -157,7 +157,7 @@ def test_deepspeed_stage_0_bf16_refuses_to_accumulate_in_bf16():
 
 
 @pytest.mark.parametrize("stage", [0, 1])
-def test_preflight_deepspeed_bf16_rows_match_an_engine(tmp_path, stage):
+def test_preflight_deepspeed_bf16_rows_and_dtypes_match_an_engine(tmp_path, stage):
     """One rank, one bf16 DeepSpeed step of a 1.6M-parameter model (the config this backend generates): the bytes
     of every tensor alive afterwards (found by the garbage collector; activations are gone) against the preflight's
     parameters + gradients + optimizer. Measured: ZeRO-0 20.0P (c4734ea counted 8P), ZeRO-1 20.0P at one rank
@@ -172,3 +172,7 @@ def test_preflight_deepspeed_bf16_rows_match_an_engine(tmp_path, stage):
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     r = json.loads(out.read_text())
     assert r["measured"] == pytest.approx(r["preflight"], rel=0.01), r
+    # the engine does what the generated config asks: bf16 parameters, fp32 all-reduce, fp32 accumulation from
+    # stage 1 (stage 0 accumulates in the model's dtype, which is why accumulating there is refused)
+    assert r["engine_dtypes"] == {"model": "torch.bfloat16", "communication": "torch.float32",
+                                  "grad_accum": "torch.float32" if stage else "torch.bfloat16"}, r

@@ -132,8 +132,8 @@ def test_deepspeed_commands_hostfile_and_env_file_as_deepspeed_reads_them(tmp_pa
     for line in files["runs/grt-large-isoparam/launch/.deepspeed_env"].splitlines(True):
         key, val = line.split("=", maxsplit=1)
         runner.add_export(key, val)
-    assert runner.exports == {"NCCL_SOCKET_IFNAME": "ib0", "OMP_NUM_THREADS": "8",
-                              "PYTHONPATH": "/work/grt:/opt/extra"}  # not HOME, CUDA_HOME, SLURM_JOB_ID_NOT
+    assert runner.exports == {"CUDA_HOME": "/usr/local/cuda", "NCCL_SOCKET_IFNAME": "ib0", "OMP_NUM_THREADS": "8",
+                              "PYTHONPATH": "/work/grt:/opt/extra"}  # not HOME, SLURM_JOB_ID_NOT
     # DS_ENV_FILE=<relative path> is found where DeepSpeed looks: joined to ~ and to the working directory
     import importlib
 
@@ -173,6 +173,71 @@ def test_sbatch_script_one_torchrun_per_node_signal_and_requeue():
     assert "trap on_term TERM" in text and 'scontrol requeue "$SLURM_JOB_ID"' in text
 
 
+def sbatch_directives(script: str) -> list[str]:
+    """The options sbatch reads from a script: its ``#SBATCH`` lines before the first command (sbatch stops reading
+    directives at the first line that is neither blank nor a comment)."""
+    out = []
+    for line in script.splitlines()[1:]:  # after the #! line
+        if line.strip() and not line.startswith("#"):
+            break
+        if line.startswith("#SBATCH "):
+            out.append(line.split(None, 1)[1])
+    return out
+
+
+@pytest.mark.parametrize("cpus, want", [(None, "--exclusive"), (96, "--cpus-per-task=96")])
+def test_sbatch_script_asks_for_the_nodes_cpus(cpus, want):
+    """One task per node runs every rank of the node: the job asks for whole nodes or for the CPUs given, among the
+    directives sbatch reads (before the first command), and never for both."""
+    opts = sbatch_directives(render.sbatch_script(paper_plan("slurm", FSDP, cpus_per_node=cpus)))
+    assert want in opts and "--ntasks-per-node=1" in opts, opts
+    assert len([o for o in opts if o == "--exclusive" or o.startswith("--cpus-per-task")]) == 1, opts
+
+
+def test_deepspeed_env_reaches_the_other_nodes_through_deepspeeds_own_runner(tmp_path):
+    """DeepSpeed's runner (its main(), over the files grt launch writes) starts the other nodes with pdsh; a pdsh
+    stand-in runs the exports DeepSpeed prepends to the remote command in a shell that starts with none of node 0's
+    environment, as an ssh login on another node does, and records what they set. The EFA / libfabric variables
+    (FI_*, OFI_NCCL_*, RDMAV_*), UCX, NCCL, CUDA, HF and the pipeline's own arrive; per-node ones do not."""
+    carried = {"FI_PROVIDER": "efa", "FI_EFA_USE_DEVICE_RDMA": "1", "OFI_NCCL_PROTOCOL": "RDMA",
+               "RDMAV_FORK_SAFE": "1", "UCX_TLS": "rc,sm", "NCCL_DEBUG": "INFO", "CUDA_LAUNCH_BLOCKING": "1",
+               "HF_HOME": "/data/hf", "GRT_DEBUG": "1", "TORCHINDUCTOR_CACHE_DIR": "/scratch/inductor"}
+    local = {"CUDA_VISIBLE_DEVICES": "3", "FIRST_NOT_CARRIED": "x"}
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    (bindir / "pdsh").write_text(FAKE_PDSH.format(python=sys.executable))
+    (bindir / "ssh").write_text("#!/bin/sh\n# ssh stand-in: DeepSpeed's reachability check of the first host\n")
+    for f in bindir.iterdir():
+        f.chmod(0o755)
+    (tmp_path / "home").mkdir()
+    environ = subprocess_env(**carried, **local, PATH=f"{bindir}:{os.environ['PATH']}", HOME=str(tmp_path / "home"),
+                             GRT_TEST_REMOTE_ENV=str(tmp_path / "remote.env"))
+    plan = make_plan(launcher="deepspeed", nodes=2, gpus_per_node=1, recipe="r.yaml", overrides=[], name="x",
+                     backend="deepspeed", run_dir="runs/x", workdir=str(tmp_path), environ=environ,
+                     hosts=["node-a", "node-b"], master_addr="10.0.0.1")
+    for path, text in render.files(plan, environ).items():
+        (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / path).write_text(text)
+    (cmd,) = render.commands(plan)
+    p = subprocess.run([sys.executable, "-m", "deepspeed.launcher.runner", *cmd.argv[1:]], cwd=tmp_path,
+                       env={**environ, **cmd.env}, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    remote = dict(kv.split("=", 1) for kv in (tmp_path / "remote.env").read_text().split("\0") if "=" in kv)
+    assert {k: remote.get(k) for k in carried} == carried
+    assert remote["PYTHONPATH"].split(":")[0] == str(tmp_path)  # the working directory first, as DeepSpeed sets it
+    assert not set(local) & set(remote), remote
+
+
+def test_deepspeed_env_leaves_out_what_deepspeed_excludes_per_cluster():
+    """DeepSpeed drops NCCL_IB_HCA and UCX_NET_DEVICES from its exports when AISC_JOB_NAME is set (each node has
+    its own cards): the file must not put node 0's back."""
+    plan = paper_plan("deepspeed", ZERO3, hosts=["gpu-a", "gpu-b"])
+    env = {"NCCL_IB_HCA": "mlx5_0", "UCX_NET_DEVICES": "mlx5_0:1", "UCX_TLS": "rc"}
+    assert "NCCL_IB_HCA=mlx5_0\n" in render.deepspeed_env_text(plan, env)
+    text = render.deepspeed_env_text(plan, {**env, "AISC_JOB_NAME": "j"})
+    assert "NCCL_IB_HCA" not in text and "UCX_NET_DEVICES" not in text and "UCX_TLS=rc\n" in text
+
+
 @pytest.mark.parametrize("kw, fragment", [
     (dict(launcher="torchrun", nodes=2, backend="single", master_addr="h"), "train.backend=single"),
     (dict(launcher="torchrun", nodes=2), "--master-addr is needed"),
@@ -181,6 +246,8 @@ def test_sbatch_script_one_torchrun_per_node_signal_and_requeue():
     (dict(launcher="torchrun", nodes=2, master_addr="h", node_rank=2), "--node-rank 2: must be in 0..1"),
     (dict(launcher="slurm", nodes=2, node_rank=0), "SLURM gives every node its rank"),
     (dict(launcher="torchrun", hosts=["a", "b"]), "are for --launcher deepspeed"),
+    (dict(launcher="slurm", cpus_per_node=1), "--cpus-per-node 1 is fewer than --gpus-per-node 2"),
+    (dict(launcher="torchrun", cpus_per_node=8), "--cpus-per-node is for --launcher slurm"),
 ])
 def test_bad_plans_are_refused_naming_the_fix(kw, fragment):
     args = dict(launcher="torchrun", nodes=1, gpus_per_node=2, recipe="r.yaml", overrides=[], name="x",
@@ -267,6 +334,23 @@ def test_data_recipe_is_forwarded_to_every_rank(small_recipe, tmp_path, capsys):
                                                               ["train.max_steps=3"])
 
 
+def test_launch_files_from_the_cli_cpus_and_a_private_env_file(small_recipe, monkeypatch, capsys):
+    """`grt launch --cpus-per-node` reaches the sbatch script; .deepspeed_env (node 0's HF_* / MLFLOW_* tokens
+    included) is written readable by its owner only, and carries the EFA variables."""
+    runs = small_recipe.parent / "runs" / "tiny" / "launch"
+    assert main(["launch", str(small_recipe), "--nodes", "2", "--gpus-per-node", "4", "--launcher", "slurm",
+                 "--cpus-per-node", "48", "--dry-run"]) == 0
+    assert "--cpus-per-task=48" in sbatch_directives((runs / "tiny.sbatch").read_text())
+    monkeypatch.setenv("FI_PROVIDER", "efa")
+    monkeypatch.setenv("HF_TOKEN", "hf_secret")
+    assert main(["launch", str(small_recipe), "train.backend=deepspeed", "--nodes", "2", "--launcher", "deepspeed",
+                 "--hosts", "a,b", "--dry-run"]) == 0
+    env_file = runs / ".deepspeed_env"
+    assert env_file.stat().st_mode & 0o777 == 0o600
+    assert {"FI_PROVIDER=efa", "HF_TOKEN=hf_secret"} <= set(env_file.read_text().splitlines())
+    capsys.readouterr()
+
+
 def test_slurm_without_sbatch_names_the_script_to_submit(small_recipe, monkeypatch, capsys):
     monkeypatch.setenv("PATH", "/nonexistent")
     assert main(["launch", str(small_recipe), "--nodes", "2", "--launcher", "slurm", "--no-check"]) == 1
@@ -308,6 +392,18 @@ with open(os.environ["GRT_TEST_SLURM_TASKS"], "a") as f:
     f.write("".join(f"{{p.pid}}\\n" for p in procs))
 signal.signal(signal.SIGTERM, lambda *_: [p.kill() for p in procs])
 sys.exit(max(abs(p.wait()) for p in procs))
+"""
+FAKE_PDSH = """#!{python}
+# pdsh stand-in: DeepSpeed's remote command starts with its exports ("export K=V; ..."), then "cd DIR;" and the
+# launcher. Run the exports in a shell with an empty environment (a login on another node inherits nothing from
+# node 0) and record the environment they give, NUL-separated, in $GRT_TEST_REMOTE_ENV.
+import os, subprocess, sys
+args = sys.argv[1:]
+exports = args[args.index("-w") + 2]
+assert exports.startswith("export ") and args[args.index("-w") + 3].startswith("cd "), args
+env = subprocess.run(["env", "-i", "bash", "-c", exports + " exec env -0"], capture_output=True, check=True).stdout
+with open(os.environ["GRT_TEST_REMOTE_ENV"], "wb") as f:
+    f.write(env)
 """
 FAKE_SCANCEL = """#!/bin/bash
 # scancel stand-in: `scancel --signal=TERM JOB` sends TERM to the tasks of the job's steps (not to srun, not to the

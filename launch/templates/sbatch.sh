@@ -16,7 +16,9 @@
 {{sbatch_options}}
 {{setup}}
 set -uo pipefail
-# Since Slurm 22.05 srun no longer inherits --cpus-per-task from the allocation: pass it on when one was asked for.
+# The job asks for the whole node (--exclusive: the step then gets every CPU of it) or, with `grt launch
+# --cpus-per-node N`, for --cpus-per-task=N. Since Slurm 22.05 srun no longer inherits --cpus-per-task from the
+# allocation: pass it on, or the node's ranks would share one CPU.
 if [ -n "${SLURM_CPUS_PER_TASK:-}" ]; then export SRUN_CPUS_PER_TASK=$SLURM_CPUS_PER_TASK; fi
 
 # Node 0 of the allocation hosts the rendezvous; the port comes from the job id, so two jobs sharing a node do not
