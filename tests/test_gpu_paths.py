@@ -33,7 +33,7 @@ def torchrun(*args: str, timeout: int = 300, **env: str) -> subprocess.Completed
            *args]
     p = subprocess.run(cmd, cwd=REPO, env=subprocess_env(PYTHONPATH=f"{REPO}:{REPO / 'tests'}", **env),
                        capture_output=True, text=True, timeout=timeout)
-    assert p.returncode == 0, p.stdout[-3000:] + "\n".join(ln for ln in p.stderr.splitlines() if "rank0" in ln)[-3000:]
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     return p
 
 
@@ -73,14 +73,14 @@ def recipe(tmp_path_factory) -> Path:
 @pytest.mark.slow
 @pytest.mark.parametrize("backend,fmt", [("ddp", "full"), ("fsdp", "sharded")])
 def test_a_save_slower_than_the_collective_timeout_completes(recipe, backend, fmt):
-    """Rank 0 takes 8 s longer to write each checkpoint (GRT_FAULT_SLOW_SAVE_S: slow network storage) than the
-    3 s train.collective_timeout_s: the other rank waits on the patient group and both checkpoints are published.
-    On c4734ea the wait was an ordinary barrier, which timed out after 3 s."""
+    """Rank 0 takes 7 s longer to write the checkpoint (GRT_FAULT_SLOW_SAVE_S: slow network storage) than the 3 s
+    train.collective_timeout_s: the other rank waits on the patient group and the checkpoint is published. On
+    c4734ea the wait was an ordinary barrier (and, sharded, DCP's gathers on the training group): timed out."""
     runs = recipe.parent / "runs"
     torchrun("-m", "pipeline.cli", "train", str(recipe), f"name=slow-{backend}", f"train.backend={backend}",
-             f"train.checkpoint_format={fmt}", GRT_FAULT_SLOW_SAVE_S="8")
+             f"train.checkpoint_format={fmt}", "train.max_steps=2", GRT_FAULT_SLOW_SAVE_S="7")
     ckpts = sorted(p.name for p in (runs / f"slow-{backend}" / "checkpoints").iterdir())
-    assert ckpts == ["step_00000002", "step_00000004"], ckpts
+    assert ckpts == ["step_00000002"], ckpts
 
 
 RESUME_MODEL = ["model.vocab_size=50304", "model.d_model=256", "model.n_head=4"]  # ~13M parameters, mostly wte
@@ -93,18 +93,16 @@ def test_resuming_a_full_checkpoint_reads_it_once(recipe):
     ranks what their peak resident memory (VmHWM) rose by during the load and was released after it (the optimizer
     state the load creates stays and is not counted). Measured here for a 178 MB file: 268 MB (1.5x; rank 0 holds
     the file's pages, rank 1 the broadcast's buffers); on c4734ea, where every rank read all of it, 589 MB (3.3x).
-    Bound: 2x the file. The resumed run continues with an uninterrupted run's losses."""
+    Bound: 2x the file. (That the resumed run continues exactly: tests/test_distributed.py, test_state_precision.py.)"""
     runs = recipe.parent / "runs"
     common = ["-m", "pipeline.cli", "train", str(recipe), "train.backend=ddp", *RESUME_MODEL]
-    torchrun(*common, "name=big-full")
     torchrun(*common, "name=big", "train.max_steps=2")
     p = torchrun(*common, "name=big")
     line = next(ln for ln in p.stdout.splitlines() if ln.startswith("resume:"))
     transient = float(line.split(", of which ")[1].split(" MB")[0].replace(",", ""))
     file_mb = (runs / "big" / "checkpoints" / "step_00000002" / "state.pt").stat().st_size / 2**20
     assert transient < 2 * file_mb, (line, file_mb)
-    full, resumed = step_losses(runs / "big-full"), step_losses(runs / "big")
-    assert [resumed[s] for s in (3, 4)] == pytest.approx([full[s] for s in (3, 4)], rel=1e-6)
+    assert max(step_losses(runs / "big")) == 4
 
 
 # ------------------------------------------------------------------------------------------- devices, DeepSpeed
