@@ -39,13 +39,12 @@ and the head are as in launch/memory.py unless said.
       blocks              per block only its input; the loop norm, the heads and the gate are not checkpointed
 
     RecurTrace loop i     (i = 0..R-1; i earlier loops in the loop memory, R loops in training) n_core loop blocks:
-                          a pre-LN block whose attention is written out: its fused log-sum-exp (4 BHT) becomes the
-                          softmax's fp32 probabilities 4 BHT (T + i) (union; separate: 4 BHT T + 4 BHT i), the
-                          causal mask T^2 bytes, the probabilities' autocast cast a BHT^2 when a != s, and q, k, v
-                          as the matmuls' copies (3 a BTd, what the fused block's qkv counts); with loop memory
-                          (R >= 2) + the layer's qkv 3 a BTd (its q and k feed the q.k_j products) + the stacked
-                          earlier values i a BTd (zero in the first loop)
-      halting head        per loop i < R - 1: LN(h)'s output a BTd (its input h is the next loop's, counted there)
+                          without loop keys (the first loop, loop_memory=none) the pre-LN block (SDPA). union: the
+                          block + the causal mask T^2 bytes + the stacked earlier keys and values 2 a i BTd (the
+                          chunked fp32 kernel recomputes its scores in backward: no [T, T] probabilities kept);
+                          separate: the block + a BTd + the loop softmax's fp32 probabilities 4 BHT i and its fp32
+                          keys and values 8 i BTd; both + the fp32 attention output 4 BTd when a != 4
+      halting head        per loop i < R - 1: LN(h)'s output 4 BTd (fp32 into the fp32 halting Linear) (its input h is the next loop's, counted there)
                           and statistics 8 BT, the BCE's fp32 logit and target 8 BT; once the target mask BT; the
                           oracle's per-loop losses run under no_grad
       core_step           per loop its input h (s BTd); once the loop memory of loops 0..R-2 (3 a BTd per core
@@ -169,26 +168,28 @@ def recurtrace(c, x: _Shapes, mode: str) -> Activations:
     memory = c.loop_memory != "none" and R > 1  # union and separate save the same: one softmax's columns or two
 
     def loop_block(i: int) -> float:
-        """A loop block at loop i (i earlier loops in its memory), its qkv excluded (counted by the caller)."""
-        probs = 4 * B * H * T * T + (4 * B * H * T * i if memory else 0)  # fp32 softmax, the loop keys' columns
-        cast = a * B * H * T * T if a != s else 0  # autocast's copy of the positions' probabilities for p @ v
-        # the pre-LN block's tensors, its fused attention's log-sum-exp replaced by the softmax and the mask
-        return x.block(s) - 4 * B * H * T + probs + cast + T * T + (a * i * BTd if memory else 0)
+        """A loop block at loop i (i earlier loops in its memory)."""
+        if not memory or i == 0:  # no loop keys: SDPA, the pre-LN block's tensors
+            return x.block(s)
+        upcast = 4 * BTd if a != 4 else 0  # the fp32 copy of the attention output the fp32 scores produce
+        if c.loop_memory == "union":  # the chunked fp32 kernel: the mask, the stacked earlier keys and values
+            return x.block(s) + T * T + 2 * a * i * BTd + upcast
+        # separate: SDPA for the positions, an fp32 softmax over the i loop keys (their fp32 keys and values kept)
+        return x.block(s) + a * BTd + 4 * B * H * T * i + 8 * i * BTd + upcast
 
-    qkv = 3 * a * BTd if memory else 0  # a loop's q.k_j products save its q and k views: the whole qkv tensor
-    halting = (R - 1) * (a * BTd + 16 * BT) + BT if c.halt_coef > 0 and R > 1 else 0
+    halting = (R - 1) * (4 * BTd + 16 * BT) + BT if c.halt_coef > 0 and R > 1 else 0
     outside = x.embed() + x.mean_head(s) + halting
     if mode == "none":
-        saved = outside + outer * x.block(s) + n_core * sum(loop_block(i) + qkv for i in range(R))
+        saved = outside + outer * x.block(s) + n_core * sum(loop_block(i) for i in range(R))
         return Activations(saved, 0.0, x.mean_head_workspace())
     # the loop memory of loops 0..R-2 (their qkv tensors): inputs of the later loops' checkpoints, carried even
     # when loop_memory=none reads none of it
     held = n_core * (R - 1) * 3 * a * BTd
     if mode == "core_step":
         saved = outside + outer * x.block(s) + R * s * BTd + held
-        return Activations(saved, n_core * (loop_block(R - 1) + qkv) - s * BTd, x.mean_head_workspace())
+        return Activations(saved, n_core * loop_block(R - 1) - s * BTd, x.mean_head_workspace())
     saved = outside + (outer + R * n_core) * s * BTd + held
-    region = max(x.block(s) - s * BTd if outer else 0, loop_block(R - 1) + qkv - s * BTd)
+    region = max(x.block(s) - s * BTd if outer else 0, loop_block(R - 1) - s * BTd)
     return Activations(saved, region, x.mean_head_workspace())
 
 

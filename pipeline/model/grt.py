@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from ops import gate_update, gated_update, new_seed, state_noise
 from ops.gate import gate_reference, gate_update_reference
 from pipeline.config import GRTConfig
+from pipeline.model.fp32_linear import FP32Linear
 from pipeline.model.hyper_connections import core_blocks
 from pipeline.model.recurrent import RecurrentLM
 from pipeline.model.layers import (KVCache, KVCacheAtStep, LayerNorm, at_step, block_flops_per_token,
@@ -52,7 +53,7 @@ class Gate(nn.Module):
         self.ln_h = LayerNorm(d, bias)
         self.ln_pre = LayerNorm(d, bias)
         self.fc1 = SplitLinear(2 * d, d)
-        self.fc2 = nn.Linear(d, d)
+        self.fc2 = FP32Linear(d, d)  # the logit z in fp32: the gate's sigmoid reads it in fp32 (ops.gate)
         self.fc2.bias_init = bias_init  # paper §3.3: +4 -> g ~ 0.98 at init (read by gpt2_init_value)
 
     def anchor_term(self, h_pre: torch.Tensor) -> torch.Tensor:

@@ -30,6 +30,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from pipeline.config import MoRConfig
+from pipeline.model.fp32_linear import FP32Linear
 from pipeline.model.recurrent import RecurrentLM
 from pipeline.model.layers import (Block, KVCache, KVCacheAtStep, at_step, block_flops_per_token,
                                    cache_slot, copy_full, head_flops_per_token, head_output, init_gpt2_weights)
@@ -53,8 +54,10 @@ class Recursion(nn.Module):
         self.cfg = cfg
         d = cfg.d_model
         self.blocks = nn.ModuleList(Block(d, cfg.n_head, cfg.dropout, cfg.bias) for _ in range(cfg.n_core))
-        # MoR: one linear router per recursion, no bias; GPT-2's N(0, 0.02) init like every other Linear here
-        self.routers = nn.ModuleList(nn.Linear(d, 1, bias=False) for _ in range(cfg.n_recurrence))
+        # MoR: one linear router per recursion, no bias; GPT-2's N(0, 0.02) init like every other Linear here. Scores
+        # in fp32: a bf16 router rounds the fp32 stream and the score to 8 bits, and top-k then chooses among the
+        # ties and reversals that makes
+        self.routers = nn.ModuleList(FP32Linear(d, 1, bias=False) for _ in range(cfg.n_recurrence))
 
     def forward(self, h: torch.Tensor, r: int, chosen: torch.Tensor | None, threshold: bool = False,
                 cache: KVCacheAtStep | None = None):
@@ -69,7 +72,9 @@ class Recursion(nn.Module):
         logits = self.routers[r](x).squeeze(-1)  # [B, n_candidates]
         weight = self.cfg.router_alpha * torch.sigmoid(logits)
         k = capacity_tokens(self.cfg.n_recurrence, r, T)
-        top = weight.topk(k, dim=1, sorted=False).indices.sort(dim=1).values  # causal order among the chosen
+        # top-k of the logits, the same order as the weights' (sigmoid is increasing, alpha > 0) without the ties of a
+        # saturated sigmoid (1.0 in fp32 from z ~ 17); sorted: causal order among the chosen
+        top = logits.topk(k, dim=1, sorted=False).indices.sort(dim=1).values
         index = top if chosen is None else chosen.gather(1, top)  # positions in the full sequence
         o = x.gather(1, top[..., None].expand(-1, -1, d))
         for block in self.blocks:

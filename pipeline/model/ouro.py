@@ -30,6 +30,7 @@ import torch.nn.functional as F
 
 from ops import linear_cross_entropy
 from pipeline.config import OuroConfig
+from pipeline.model.fp32_linear import FP32Linear
 from pipeline.model.layers import (Block, KVCache, KVCacheAtStep, LayerNorm, TokenEmbedding, at_step,
                                    block_flops_per_token, cache_slot, copy_full, head_flops_per_token, head_output,
                                    init_gpt2_weights)
@@ -76,7 +77,7 @@ class Ouro(nn.Module):
         self.prelude = nn.ModuleList()  # the whole stack loops: nothing runs once before or after it
         self.recur = OuroLoop(cfg)
         self.coda = nn.ModuleList()
-        self.exit_gate = nn.Linear(d, 1)  # lambda_t = sigmoid(w . h_t + b), shared by every loop
+        self.exit_gate = FP32Linear(d, 1)  # lambda_t = sigmoid(w . h_t + b), shared by every loop; z in fp32
         self.lm_head = nn.Linear(d, cfg.vocab_size, bias=False)
         self.lm_head.weight = self.embed.wte.weight  # tied head
 
@@ -140,9 +141,9 @@ class Ouro(nn.Module):
         return exit_log_probs(z).exp()
 
     def _gate_logit(self, h: torch.Tensor) -> torch.Tensor:
-        """w . h_t + b per token, in fp32 (fp64 for a fp64 model) whatever the autocast dtype."""
-        z = self.exit_gate(h).squeeze(-1)
-        return z.to(_acc(z.dtype))
+        """w . h_t + b per token, in fp32 (fp64 for a fp64 model) whatever the autocast dtype: computed so, not cast
+        up after a bf16 Linear has rounded it."""
+        return self.exit_gate(h).squeeze(-1)
 
     def exit_states(self, idx: torch.Tensor, exits, gates: dict | None = None, *, noise: bool = False):
         """One pass yielding (e, h_e) for each e in ``exits``: the loop outputs (already normed, what the head

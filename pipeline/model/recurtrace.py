@@ -41,9 +41,98 @@ import torch.nn.functional as F
 
 from ops import linear_cross_entropy
 from pipeline.config import RecurTraceConfig
-from pipeline.model.layers import (MLP, KVCache, LayerNorm, at_step, block_flops_per_token, cache_slot, copy_full,
-                                   head_flops_per_token, head_output, init_gpt2_weights)
+from pipeline.model.fp32_linear import FP32Linear, autocast_off
+from pipeline.model.layers import (MLP, KVCache, LayerNorm, at_step, block_flops_per_token, cache_slot,
+                                   causal_attention, copy_full, head_flops_per_token, head_output, init_gpt2_weights)
 from pipeline.model.recurrent import RecurrentLM
+
+
+_ROWS_BYTES = 1 << 26  # fp32 scores of one chunk of query rows in the union attention (64 MiB)
+
+
+def _acc(dtype: torch.dtype) -> torch.dtype:
+    return torch.promote_types(dtype, torch.float32)  # fp32, fp64 kept
+
+
+def _up(t: torch.Tensor) -> torch.Tensor:
+    return t.to(_acc(t.dtype))
+
+
+class _UnionAttention(torch.autograd.Function):
+    """One softmax per query over its allowed positions' keys and its own loop memory (``union``), with fp32 scores
+    (fp64 in an fp64 model) whatever the autocast dtype, as flash attention computes them: over chunks of query
+    rows, saving for backward only the inputs, the output and each row's logsumexp, and recomputing the scores and
+    probabilities in backward. The plain formulation kept the [B, H, T, T] probabilities of every looped layer and
+    iteration for backward (in bf16 scores, rounded to 8 bits); here one chunk's exist at a time. SDPA cannot
+    take the loop memory: its keys differ per query.
+
+    q [B, H, T, hd]; k, v [B, H, S, hd]; ``allowed`` (bool, broadcast to [B, H, T, S]): which positions each query
+    sees; mk, mv [B, H, T, M, hd]: each token's keys and values of its M earlier iterations. Returns [B, H, T, hd]
+    in fp32 (fp64 for fp64 inputs)."""
+
+    @staticmethod
+    def forward(ctx, scale, allowed, q, k, v, mk, mv):
+        with autocast_off(q.device):
+            B, H, T, hd = q.shape
+            # [B, T, H, hd] underneath: the caller's transpose back to [B, T, C] is then a view, not a second copy
+            out = q.new_empty(B, T, H, hd, dtype=_acc(q.dtype)).transpose(1, 2)
+            lse = q.new_empty(B, H, T, dtype=_acc(q.dtype))
+            k32, v32 = _up(k), _up(v)
+            for a, b, s, sl in _union_scores(scale, allowed, q, k32, mk):
+                m = torch.maximum(s.amax(-1), sl.amax(-1))  # finite: each query sees its own position
+                p, pl = torch.exp(s - m[..., None]), torch.exp(sl - m[..., None])
+                l = p.sum(-1) + pl.sum(-1)
+                out[:, :, a:b] = (p @ v32 + (pl[..., None] * _up(mv[:, :, a:b])).sum(-2)) / l[..., None]
+                lse[:, :, a:b] = m + torch.log(l)
+        ctx.scale = scale
+        ctx.save_for_backward(allowed, q, k, v, mk, mv, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        allowed, q, k, v, mk, mv, out, lse = ctx.saved_tensors
+        scale = ctx.scale
+        with autocast_off(q.device):
+            dout = dout.to(out.dtype)
+            k32, v32 = _up(k), _up(v)
+            dq = torch.empty_like(out)
+            dmk, dmv = mk.new_empty(mk.shape, dtype=out.dtype), mv.new_empty(mv.shape, dtype=out.dtype)
+            dk, dv = torch.zeros_like(k32), torch.zeros_like(v32)
+            delta = (dout * out).sum(-1)  # sum over every key of p dp: the softmax backward's row term
+            for a, b, s, sl in _union_scores(scale, allowed, q, k32, mk):
+                p, pl = torch.exp(s - lse[:, :, a:b, None]), torch.exp(sl - lse[:, :, a:b, None])  # 0 where masked
+                do, q32, mk32, mv32 = dout[:, :, a:b], _up(q[:, :, a:b]), _up(mk[:, :, a:b]), _up(mv[:, :, a:b])
+                dv += p.transpose(-1, -2) @ do
+                dmv[:, :, a:b] = pl[..., None] * do[..., None, :]
+                ds = p * (do @ v32.transpose(-1, -2) - delta[:, :, a:b, None]) * scale
+                dsl = pl * ((mv32 * do[..., None, :]).sum(-1) - delta[:, :, a:b, None]) * scale
+                dq[:, :, a:b] = ds @ k32 + (dsl[..., None] * mk32).sum(-2)
+                dk += ds.transpose(-1, -2) @ q32
+                dmk[:, :, a:b] = dsl[..., None] * q32[..., None, :]
+        return (None, None, dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dmk.to(mk.dtype), dmv.to(mv.dtype))
+
+
+def _union_scores(scale, allowed, q, k32, mk):
+    """(first row, end row, positional scores [B, H, rows, S] with -inf where not allowed, loop scores [B, H, rows,
+    M]) for each chunk of query rows, in fp32 (fp64 kept); call with autocast off."""
+    B, H, T, _ = q.shape
+    rows = max(1, _ROWS_BYTES // (4 * B * H * k32.shape[2]))
+    for a in range(0, T, rows):
+        b = min(T, a + rows)
+        q32 = _up(q[:, :, a:b])
+        s = (q32 @ k32.transpose(-1, -2)) * scale
+        s = s.masked_fill(~allowed[..., a:b, :], float("-inf"))
+        sl = (q32[..., None, :] * _up(mk[:, :, a:b])).sum(-1) * scale
+        yield a, b, s, sl
+
+
+def loop_softmax(q: torch.Tensor, mk: torch.Tensor, mv: torch.Tensor, scale: float) -> torch.Tensor:
+    """``separate``'s second softmax, over each token's own loop memory alone (mk, mv [B, H, T, M, hd]), fp32
+    scores (fp64 kept); [B, H, T, M] is all there is, so plain autograd."""
+    with autocast_off(q.device):
+        q32 = _up(q)
+        p = torch.softmax((q32[..., None, :] * _up(mk)).sum(-1) * scale, -1)
+        return (p[..., None] * _up(mv)).sum(-2)
 
 
 class LoopMemoryAttention(nn.Module):
@@ -66,29 +155,29 @@ class LoopMemoryAttention(nn.Module):
             ran, (k_last, v_last) = halted[0][:, None, :, None], halted[1]
             k, v = torch.where(ran, k, k_last), torch.where(ran, v, v_last)
         keys, values, key_mask = (k, v, None) if kv is None else kv.update(k, v)
-        scale = 1 / math.sqrt(C // self.n_head)
-        s_pos = (q @ keys.transpose(-1, -2)) * scale  # [B, H, T, past + T]
-        past = keys.shape[2] - T
-        query_pos = torch.arange(past, past + T, device=x.device)[:, None]
-        key_pos = torch.arange(past + T, device=x.device)[None, :]
-        allowed = key_pos <= query_pos  # cached keys, then causal
-        if key_mask is not None:  # a left-padded batch: pads are no keys; each query still sees itself
-            allowed = allowed & (key_mask[:, None, None, :] | (key_pos == query_pos))
-        s_pos = s_pos.masked_fill(~allowed, float("-inf"))
-        mem = memory if self.mode != "none" else []
-        if mem:
-            s_loop = torch.stack([(q * mk).sum(-1) for mk, _ in mem], -1) * scale  # [B, H, T, i-1]
-            v_loop = torch.stack([mv for _, mv in mem], -2)  # [B, H, T, i-1, hd]
-        if not mem:
-            y = torch.softmax(s_pos, -1) @ values
-        elif self.mode == "union":
-            p = torch.softmax(torch.cat([s_pos, s_loop], -1), -1)
-            n_pos = s_pos.shape[-1]
-            y = p[..., :n_pos] @ values + (p[..., n_pos:, None] * v_loop).sum(-2)
-        else:  # separate
-            y = torch.softmax(s_pos, -1) @ values + (torch.softmax(s_loop, -1)[..., None] * v_loop).sum(-2)
+        y = self.attend(q, keys, values, key_mask, memory if self.mode != "none" else [])
         y = y.transpose(1, 2).reshape(B, T, C)
         return self.resid_dropout(self.c_proj(y)), (k, v)
+
+    def attend(self, q, keys, values, key_mask, memory: list) -> torch.Tensor:
+        """q [B, H, T, hd] over ``keys``/``values`` [B, H, past + T, hd] (cached keys, then causal; ``key_mask``
+        [B, past + T]: left pads are no keys, each query still sees itself) and each token's loop ``memory`` (a list
+        of (k, v) [B, H, T, hd], one per earlier iteration). Scores in fp32: SDPA's kernels where no loop memory
+        joins the softmax (as GPT's blocks: the scores accumulate in fp32 inside), :class:`_UnionAttention` where it
+        does, fp32 by hand over the [B, H, T, iterations] loop scores of ``separate``."""
+        if not memory:
+            return causal_attention(q, keys, values, key_mask=key_mask)
+        scale = 1 / math.sqrt(q.shape[-1])
+        mk, mv = torch.stack([m for m, _ in memory], -2), torch.stack([m for _, m in memory], -2)  # [B, H, T, i-1, hd]
+        if self.mode == "separate":
+            return causal_attention(q, keys, values, key_mask=key_mask) + loop_softmax(q, mk, mv, scale)
+        T, past = q.shape[2], keys.shape[2] - q.shape[2]
+        query_pos = torch.arange(past, past + T, device=q.device)[:, None]
+        key_pos = torch.arange(past + T, device=q.device)[None, :]
+        allowed = key_pos <= query_pos  # cached keys, then causal
+        if key_mask is not None:
+            allowed = allowed & (key_mask[:, None, None, :] | (key_pos == query_pos))
+        return _UnionAttention.apply(scale, allowed, q, keys, values, mk, mv)
 
 
 class LoopBlock(nn.Module):
@@ -134,7 +223,7 @@ class RecurTrace(RecurrentLM):
     def __init__(self, cfg: RecurTraceConfig):
         super().__init__(cfg, LoopStep(cfg))
         self.ln_halt = LayerNorm(cfg.d_model, cfg.bias)
-        self.halt = nn.Linear(cfg.d_model, 1, bias=True)
+        self.halt = FP32Linear(cfg.d_model, 1, bias=True)  # the logit in fp32: BCE and the threshold read it
         self.last_loops: torch.Tensor | None = None  # [B, T] loops each token ran in the last halting forward
         self.last_mean_loops: float | None = None
 

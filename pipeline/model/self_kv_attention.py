@@ -24,6 +24,7 @@ Theta(N^2) -> Theta(N log N) refers to; on a CPU there is no such hierarchy to m
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 from typing import Callable
@@ -48,19 +49,52 @@ class Traffic:
 EMPTY = -1e30  # the row max of a partial with no key: below any score, finite in fp32 and bf16
 
 
+def _up(t: torch.Tensor) -> torch.Tensor:
+    """fp32 for bf16/fp16/fp32, fp64 kept: the scores, softmax statistics and merges run in it under bf16 autocast
+    (q, k, v arrive in bf16 from the autocast projections), in the forward as in the recomputing backward."""
+    return t.to(torch.promote_types(t.dtype, torch.float32))
+
+
+def _autocast_off(device: torch.device):
+    # autocast would cast the fp32 operands of the score matmuls back to bf16; meta has no autocast to turn off
+    return torch.autocast(device.type, enabled=False) if device.type in ("cpu", "cuda") else contextlib.nullcontext()
+
+
 def _partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, key_mask: torch.Tensor | None = None):
     """Online-softmax partial of the queries ``q`` over the keys/values ``k``, ``v`` (every key visible to every
     query, but those ``key_mask`` [B, keys] marks False, e.g. left pads): (m, l, acc) with m the row max of the
-    scores, l = sum exp(s - m), acc = exp(s - m) @ v. A row with no key gets m = EMPTY, l = 0, acc = 0: it merges as
-    nothing, whatever the other side's scale (with m = 0 a partial whose scores are all below about -87 would get
-    the weight exp(s - 0) = 0 in the merge), and two empty partials merge into an empty one (no -inf - -inf)."""
-    s = torch.einsum("bhqd,bhkd->bhqk", q, k) * scale
-    if key_mask is not None:
-        s = s.masked_fill(~key_mask[:, None, None, :], float("-inf"))
-    m = s.amax(-1, keepdim=True)
-    m = torch.where(torch.isfinite(m), m, torch.full_like(m, EMPTY))
-    p = torch.exp(s - m)
-    return m, p.sum(-1, keepdim=True), p @ v
+    scores, l = sum exp(s - m), acc = exp(s - m) @ v, all in fp32 (:func:`_up`) whatever the inputs' dtype. A row
+    with no key gets m = EMPTY, l = 0, acc = 0: it merges as nothing, whatever the other side's scale (with m = 0 a
+    partial whose scores are all below about -87 would get the weight exp(s - 0) = 0 in the merge), and two empty
+    partials merge into an empty one (no -inf - -inf)."""
+    with _autocast_off(q.device):
+        s = torch.einsum("bhqd,bhkd->bhqk", _up(q), _up(k)) * scale
+        if key_mask is not None:
+            s = s.masked_fill(~key_mask[:, None, None, :], float("-inf"))
+        m = s.amax(-1, keepdim=True)
+        m = torch.where(torch.isfinite(m), m, torch.full_like(m, EMPTY))
+        p = torch.exp(s - m)
+        return m, p.sum(-1, keepdim=True), p @ _up(v)
+
+
+class _OwnScore(torch.autograd.Function):
+    """Each query's score against its own key, sum(q * k, -1) * scale [..., 1], in fp32 (fp64 kept) from q and k in
+    their own dtype, saving them as they came: autograd of the product of fp32 copies would keep the copies (bf16
+    q and k twice over, in fp32)."""
+
+    @staticmethod
+    def forward(ctx, q, k, scale):
+        ctx.save_for_backward(q, k)
+        ctx.scale = scale
+        with _autocast_off(q.device):
+            return (_up(q) * _up(k)).sum(-1, keepdim=True) * scale
+
+    @staticmethod
+    def backward(ctx, ds):
+        q, k = ctx.saved_tensors
+        with _autocast_off(q.device):
+            ds = ds * ctx.scale
+            return (ds * _up(k)).to(q.dtype), (ds * _up(q)).to(k.dtype), None
 
 
 class _RecomputedPartial(torch.autograd.Function):
@@ -69,7 +103,8 @@ class _RecomputedPartial(torch.autograd.Function):
     recomputing the scores and probabilities in backward, as flash attention does. Saving them instead would cost
     the probabilities of every cross step (Theta(N^2 H) per layer) and a copy of a tile's earlier keys/values at
     each of its positions (Theta(N tile d) per layer). The backward is written out (a few batched products per
-    call, no second autograd pass: one runs per position)."""
+    call, no second autograd pass: one runs per position). Forward and backward compute the scores from the same
+    inputs in the same precision (fp32, :func:`_partial`), so the gradient is that of the forward computed."""
 
     @staticmethod
     def forward(ctx, scale, key_mask, n_keys, q, *keys_then_values):
@@ -83,20 +118,20 @@ class _RecomputedPartial(torch.autograd.Function):
     def backward(ctx, dm, dl, dacc):
         q, m, *kv = ctx.saved_tensors
         n, scale = ctx.n_keys, ctx.scale
-        up = lambda t: t.to(torch.promote_types(t.dtype, torch.float32))  # fp32 math under bf16 autocast
-        q32, m32, dl, dacc = (up(t) for t in (q, m, dl, dacc))
-        k, v = up(torch.cat(kv[:n], -2)), up(torch.cat(kv[n:], -2))
-        s = (q32 @ k.transpose(-1, -2)) * scale
-        if ctx.key_mask is not None:
-            s = s.masked_fill(~ctx.key_mask[:, None, None, :], float("-inf"))
-        p = torch.exp(s - m32)  # 0 at masked keys
-        # m is held constant (dm left out): the partial reaches the output only through exp(m) l and exp(m) acc (the
-        # merges, then acc / l), which do not depend on m, so what reaches m through dm and through p = exp(s - m)
-        # cancels exactly; flash attention's backward treats its row max the same way
-        ds = p * (dl + dacc @ v.transpose(-1, -2))  # through l = sum p and acc = p v
-        dq = (ds @ k) * scale
-        dk = (ds.transpose(-1, -2) @ q32) * scale
-        dv = p.transpose(-1, -2) @ dacc
+        with _autocast_off(q.device):  # a backward run under autocast would cast the fp32 products down
+            q32, m32, dl, dacc = (_up(t) for t in (q, m, dl, dacc))
+            k, v = _up(torch.cat(kv[:n], -2)), _up(torch.cat(kv[n:], -2))
+            s = (q32 @ k.transpose(-1, -2)) * scale
+            if ctx.key_mask is not None:
+                s = s.masked_fill(~ctx.key_mask[:, None, None, :], float("-inf"))
+            p = torch.exp(s - m32)  # 0 at masked keys
+            # m is held constant (dm left out): the partial reaches the output only through exp(m) l and exp(m) acc
+            # (the merges, then acc / l), which do not depend on m, so what reaches m through dm and through
+            # p = exp(s - m) cancels exactly; flash attention's backward treats its row max the same way
+            ds = p * (dl + dacc @ v.transpose(-1, -2))  # through l = sum p and acc = p v
+            dq = (ds @ k) * scale
+            dk = (ds.transpose(-1, -2) @ q32) * scale
+            dv = p.transpose(-1, -2) @ dacc
         sizes = [t.shape[-2] for t in kv[:n]]
         dkv = torch.cat([dk, dv], -2).to(kv[0].dtype)  # one cast (the keys and values share the layer's dtype)
         return (None, None, None, dq.to(q.dtype), *dkv.split(sizes + sizes, -2))
@@ -139,9 +174,10 @@ def attend_reference(q: torch.Tensor, k_own: torch.Tensor, v_own: torch.Tensor, 
         k = torch.cat([*own_k, p_k, *keys], dim=-2)
         v = torch.cat([*own_v, p_v, *values], dim=-2)
         mask = torch.cat([own, p_mask, new_mask[:, :t]], dim=1)
-        s = torch.einsum("bhqd,bhkd->bhqk", q[..., t:t + 1, :], k) * scale
-        p = torch.softmax(s.masked_fill(~mask[:, None, None, :], float("-inf")), dim=-1)
-        o = torch.nan_to_num(p, nan=0.0) @ v  # no key at all (no own key, position 0): attends to nothing, 0
+        with _autocast_off(q.device):  # fp32 scores and softmax, as the tiled path's
+            s = torch.einsum("bhqd,bhkd->bhqk", _up(q[..., t:t + 1, :]), _up(k)) * scale
+            p = torch.softmax(s.masked_fill(~mask[:, None, None, :], float("-inf")), dim=-1)
+            o = torch.nan_to_num(p, nan=0.0) @ _up(v)  # no key at all (no own key, position 0): attends to nothing, 0
         kt, vt = reveal(t, t + 1, o)
         keys.append(kt), values.append(vt), out.append(o)
         if traffic is not None:
@@ -182,11 +218,12 @@ def attend_tiled(q: torch.Tensor, k_own: torch.Tensor, v_own: torch.Tensor, reve
     def solve_tile(lo: int, hi: int) -> None:
         qt = q[..., lo:hi, :]
         if k_own is None:  # no own key: an empty partial
-            z = qt[..., :1] * 0
-            stats = (z + EMPTY, z, qt * 0)
+            z = qt.new_zeros(*qt.shape[:-1], 1, dtype=torch.promote_types(qt.dtype, torch.float32))
+            stats = (z + EMPTY, z, z.expand(qt.shape) * 0)
             tr.read += (hi - lo) * d
-        else:  # each query's own key: a one-key partial
-            s = (qt * k_own[..., lo:hi, :]).sum(-1, keepdim=True) * scale
+        else:  # each query's own key: a one-key partial; its score in fp32, its value as it is (the merges with
+            # the fp32 partials compute in fp32)
+            s = _OwnScore.apply(qt, k_own[..., lo:hi, :], scale)
             stats = (s, torch.ones_like(s), v_own[..., lo:hi, :])
             tr.read += 3 * (hi - lo) * d
         for first, part in ancestors:  # every enclosing right half covers this tile
