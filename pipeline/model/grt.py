@@ -224,7 +224,7 @@ class GRT(RecurrentLM):
 
     def exit_states(self, idx: torch.Tensor, exits, gates: dict | None = None, *, noise: bool = False):
         """One pass, yielding (r, coda + final LN of h^(r)) for each r in ``exits`` (0 = the initial state). A
-        ``gates`` dict receives the gate's mean at each yielded r >= 1 (when the model has a gate).
+        ``gates`` dict receives the gate's mean at each yielded r >= 1 (when the model has a gate), a 0-d tensor.
 
         ``noise``: Algorithm 1's inference noise, which Appendix E turns off (the default): the training noise path
         (eps_x on the projection input every step or on h^(0), per ``state_noise``; eps_g in the gate; a random
@@ -244,7 +244,7 @@ class GRT(RecurrentLM):
                                           seeds=self.recur.draw_seeds(noise))
             if r in wanted:
                 if g is not None and gates is not None:
-                    gates[r] = g.float().mean().item()
+                    gates[r] = g.detach().float().mean()  # a 0-d tensor: no host sync per exit
                 yield r, self.readout(h)
 
     @torch.no_grad()
@@ -255,7 +255,8 @@ class GRT(RecurrentLM):
         gates: dict[int, float] = {}
         losses = [head_output(self.lm_head, states, targets)[1].item()
                   for _, states in self.exit_states(idx, range(n + 1), gates)]
-        return vars(ExitCurve(list(range(1, n + 1)), losses[1:], list(gates.values()) or None, losses[0]))
+        return vars(ExitCurve(list(range(1, n + 1)), losses[1:], [float(v) for v in gates.values()] or None,
+                              losses[0]))
 
     # --------------------------------------------------------------------------------------------- accounting
     def train_depth(self, seed: int, step: int, micro_step: int | None = None) -> int:
