@@ -71,15 +71,18 @@ def recipe(tmp_path_factory) -> Path:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("backend,fmt", [("ddp", "full"), ("fsdp", "sharded")])
-def test_a_save_slower_than_the_collective_timeout_completes(recipe, backend, fmt):
-    """Rank 0 takes 7 s longer to write the checkpoint (GRT_FAULT_SLOW_SAVE_S: slow network storage) than the 3 s
-    train.collective_timeout_s: the other rank waits on the patient group and the checkpoint is published. On
-    c4734ea the wait was an ordinary barrier (and, sharded, DCP's gathers on the training group): timed out."""
+@pytest.mark.parametrize("how", ["fsdp-full", "fsdp-sharded", "deepspeed-1"])
+def test_a_save_slower_than_the_collective_timeout_completes(recipe, how):
+    """Rank 0's first file write of the checkpoint takes 7 s longer (GRT_FAULT_SLOW_SAVE_S: slow network storage;
+    after the full state's gather; DeepSpeed's model-states file) than the 3 s train.collective_timeout_s: the other
+    rank waits on a patient group and the checkpoint is published. On c4734ea the waits were on the training group
+    (an ordinary barrier after the full write, DCP's coordination, DeepSpeed's barriers): timed out."""
+    backend, fmt = how.split("-")
     runs = recipe.parent / "runs"
-    torchrun("-m", "pipeline.cli", "train", str(recipe), f"name=slow-{backend}", f"train.backend={backend}",
-             f"train.checkpoint_format={fmt}", "train.max_steps=2", GRT_FAULT_SLOW_SAVE_S="7")
-    ckpts = sorted(p.name for p in (runs / f"slow-{backend}" / "checkpoints").iterdir())
+    layout = [f"train.zero_stage={fmt}"] if backend == "deepspeed" else [f"train.checkpoint_format={fmt}"]
+    torchrun("-m", "pipeline.cli", "train", str(recipe), f"name=slow-{how}", f"train.backend={backend}", *layout,
+             "train.max_steps=2", GRT_FAULT_SLOW_SAVE_S="7")
+    ckpts = sorted(p.name for p in (runs / f"slow-{how}" / "checkpoints").iterdir())
     assert ckpts == ["step_00000002"], ckpts
 
 
@@ -127,6 +130,34 @@ def test_each_process_takes_the_gpu_of_its_local_rank_among_those_it_sees(monkey
         backend.pick_device("cuda", 3)
 
 
+def test_ddp_wraps_the_model_on_the_processs_own_gpu(monkeypatch):
+    """DDP's device_ids is the device pick_device chose (cuda:0 where each process sees one GPU), not cuda:LOCAL_RANK
+    (c4734ea: device_ids=[LOCAL_RANK], which DDP rejects for a module on another device)."""
+    import torch.nn.parallel
+
+    from pipeline.train.backend import DDP
+
+    seen = {}
+    monkeypatch.setattr(torch.nn.parallel, "DistributedDataParallel",
+                        lambda model, device_ids=None, **kw: seen.setdefault("device_ids", device_ids))
+    be = object.__new__(DDP)
+    be.device, be.local_rank = torch.device("cuda", 0), 3
+    model = torch.nn.Linear(2, 2)
+    monkeypatch.setattr(model, "to", lambda device: model)
+    be.setup(model, lambda m: None)
+    assert seen["device_ids"] == [torch.device("cuda", 0)]
+
+
+def test_two_ranks_on_one_gpu_are_named():
+    """After the process group is up, the ranks compare (host, GPU uuid): a GPU two ranks share is one line naming
+    them and the fix (NCCL would fail later with a traceback)."""
+    from pipeline.train.backend import shared_gpus
+
+    assert shared_gpus([("a", "GPU-1"), ("a", "GPU-2"), ("b", "GPU-1")]) is None
+    problem = shared_gpus([("a", "GPU-1"), ("a", "GPU-2"), ("b", "GPU-1"), ("a", "GPU-2")])
+    assert problem.startswith("ranks 1 and 3 both use GPU GPU-2 on a: each rank needs a GPU of its own")
+
+
 def ds_backend(world: int, **train):
     """The DeepSpeed backend's config side, without a process group."""
     from pipeline.config import TrainConfig
@@ -148,10 +179,15 @@ def test_deepspeed_bf16_accumulates_and_reduces_gradients_in_fp32(stage):
 def test_deepspeed_stage_0_bf16_refuses_to_accumulate_in_bf16():
     """Stage 0 takes no fp32 accumulation (DeepSpeed raises 'unsupported mix'): refused with the fix named; one
     micro-step per rank has nothing to accumulate and runs with an fp32 all-reduce."""
-    with pytest.raises(ValueError, match="use train.zero_stage=1"):
+    with pytest.raises(ValueError, match="use train.zero_stage=2"):
         ds_backend(2, zero_stage=0, grad_accum_steps=4).ds_config()
+    with pytest.raises(ValueError, match="use train.zero_stage=2"):  # stage 0 set through the raw config
+        ds_backend(2, zero_stage=1, grad_accum_steps=4, deepspeed={"zero_optimization": {"stage": 0}}).ds_config()
     cfg = ds_backend(2, zero_stage=0, grad_accum_steps=2).ds_config()
     assert cfg["communication_data_type"] == "fp32" and "data_types" not in cfg
+    # an explicit choice of bf16 accumulation is the user's to make
+    cfg = ds_backend(2, zero_stage=0, grad_accum_steps=4, deepspeed={"data_types": {"grad_accum_dtype": "bf16"}})
+    assert cfg.ds_config()["data_types"] == {"grad_accum_dtype": "bf16"}
 
 
 @pytest.mark.parametrize("stage", [0, 1])

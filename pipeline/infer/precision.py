@@ -8,7 +8,7 @@ name as ``train.dtype`` is:
 
 Only the model's forward runs under this; the head's log-probabilities, KL and argmax of the evaluation run in exact
 fp32 (:func:`exact_fp32`), and their sums accumulate in fp64. On the CPU ``auto`` changes nothing at all, so CPU
-results are those of a plain fp32 forward, bit for bit.
+results are those of a plain fp32 forward, bit for bit (generation's last-position head aside: see generate.py).
 """
 from __future__ import annotations
 

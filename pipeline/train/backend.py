@@ -45,6 +45,18 @@ def pick_device(name: str, local_rank: int = 0) -> torch.device:
     return torch.device("cpu")
 
 
+def shared_gpus(devices: list[tuple[str, str]]) -> str | None:
+    """What is wrong when two ranks of ``devices`` ((host, GPU uuid) per rank, in rank order) share a GPU."""
+    first: dict[tuple[str, str], int] = {}
+    for rank, key in enumerate(devices):
+        if key in first:
+            return (f"ranks {first[key]} and {rank} both use GPU {key[1]} on {key[0]}: each rank needs a GPU of its "
+                    f"own; launch as many processes per node as it has GPUs, and do not give every rank the same "
+                    f"CUDA_VISIBLE_DEVICES")
+        first[key] = rank
+    return None
+
+
 def autocast_dtype(name: str, device: torch.device) -> torch.dtype:
     """bf16 autocast where the device does it natively (CUDA with bf16); fp32 elsewhere unless asked."""
     if name == "float32":
@@ -230,6 +242,20 @@ class TorchDistributed(SingleProcess):
         # and a group of its own, since an async save coordinates from a background thread while the training runs
         # collectives on the others
         self._checkpoint_group = dist.new_group(backend="gloo", timeout=PATIENT_TIMEOUT)
+        if self.device.type == "cuda":
+            self._refuse_shared_gpus()
+
+    def _refuse_shared_gpus(self) -> None:
+        """Two ranks on one GPU (every rank told CUDA_VISIBLE_DEVICES=0, or ranks without per-rank masks on a node
+        with fewer GPUs than ranks): NCCL fails later with a traceback; here it is one line naming them."""
+        import socket
+
+        mine = (socket.gethostname(), str(torch.cuda.get_device_properties(self.device).uuid))
+        everyone: list = [None] * self.world_size
+        dist.all_gather_object(everyone, mine, group=self._patient_group)
+        problem = shared_gpus(everyone)
+        if problem:
+            raise ValueError(problem)
 
     def _init_process_group(self, timeout: datetime.timedelta) -> None:
         if not dist.is_initialized():
@@ -281,7 +307,8 @@ class DDP(TorchDistributed):
         from torch.nn.parallel import DistributedDataParallel
 
         model = model.to(self.device)
-        ddp = DistributedDataParallel(model, device_ids=[self.local_rank] if self.device.type == "cuda" else None)
+        # the process's own device, which is not cuda:LOCAL_RANK where each process sees only its GPU (pick_device)
+        ddp = DistributedDataParallel(model, device_ids=[self.device] if self.device.type == "cuda" else None)
         return ddp, optimizer_fn(model)
 
     def no_sync(self, model, last_micro: bool):
@@ -349,12 +376,15 @@ class DeepSpeed(TorchDistributed):
         c = self.cfg
         bf16 = self.amp_dtype == torch.bfloat16
         accum = c.grad_accum_steps // self.world_size
-        if bf16 and c.zero_stage == 0 and accum > 1:
-            raise ValueError(f"train.zero_stage=0 with train.dtype=bfloat16 and {accum} micro-steps per rank: "
-                             f"DeepSpeed {_deepspeed_version()} accumulates stage 0's gradients in bf16 (it refuses "
-                             f"fp32 accumulation there), so this run would not train what the other backends train; "
-                             f"use train.zero_stage=1 (fp32 accumulation, sharded optimizer state) or "
-                             f"train.backend=ddp")
+        raw = c.deepspeed or {}
+        stage = (raw.get("zero_optimization") or {}).get("stage", c.zero_stage)
+        asked = (raw.get("data_types") or {}).get("grad_accum_dtype")
+        if bf16 and stage == 0 and accum > 1 and asked not in ("bf16", "bfloat16"):
+            raise ValueError(f"ZeRO stage 0 with train.dtype=bfloat16 and {accum} micro-steps per rank: DeepSpeed "
+                             f"{_deepspeed_version()} accumulates stage 0's gradients in bf16 (it refuses fp32 "
+                             f"accumulation there), so this run would not train what the other backends train; use "
+                             f"train.zero_stage=2 (fp32 accumulation, sharded gradients) or train.backend=ddp, or "
+                             f"accept bf16 accumulation with train.deepspeed.data_types.grad_accum_dtype=bf16")
         config = {
             "train_micro_batch_size_per_gpu": c.micro_batch_size,
             "gradient_accumulation_steps": c.grad_accum_steps // self.world_size,
@@ -370,9 +400,9 @@ class DeepSpeed(TorchDistributed):
             # in fp32 (DeepSpeed's bf16 default is bf16 for both). At stage 0 the accumulation dtype must equal the
             # model's (checked above: one micro-step per rank, nothing to accumulate)
             config["communication_data_type"] = "fp32"
-            if c.zero_stage > 0:
+            if stage > 0:
                 config["data_types"] = {"grad_accum_dtype": "fp32"}
-        return deep_merge(config, c.deepspeed or {})
+        return deep_merge(config, raw)
 
     def setup(self, model, optimizer_fn):
         import deepspeed
@@ -404,9 +434,29 @@ class DeepSpeed(TorchDistributed):
         return model.module
 
     def save_model_optimizer(self, model, optimizer, folder: Path, state: dict):
-        model.save_checkpoint(str(folder), tag="deepspeed", save_latest=False)
+        with self._patient_barriers():
+            model.save_checkpoint(str(folder), tag="deepspeed", save_latest=False)
         self._write_state(folder, {**state, "checkpoint_format": "deepspeed"})
         return None
+
+    @contextlib.contextmanager
+    def _patient_barriers(self):
+        """DeepSpeed's save_checkpoint waits for the ranks' file writes in plain ``deepspeed.comm.barrier()`` calls on
+        the training group (collective_timeout_s, NCCL's watchdog): during the save those go to the patient group."""
+        from deepspeed import comm
+
+        barrier = comm.barrier
+
+        def patient(group=None, *args, **kwargs):
+            if group is None:
+                return dist.barrier(group=self._patient_group)
+            return barrier(group, *args, **kwargs)
+
+        comm.barrier = patient
+        try:
+            yield
+        finally:
+            comm.barrier = barrier
 
     def load_model_optimizer(self, model, optimizer, folder, state) -> None:
         if checkpoint_format_of(folder, state) != "deepspeed":

@@ -80,8 +80,28 @@ FAULT_KILL_IN_SAVE = int(os.environ.get("GRT_FAULT_KILL_IN_SAVE", "0") or 0)
 _fault_signal = os.environ.get("GRT_FAULT_SIGNAL_AT_STEP", "").partition(":")
 FAULT_SIGNAL_AT_STEP = (int(_fault_signal[0] or 0), getattr(signal, _fault_signal[2] or "SIGINT", None)
                         or signal.Signals(int(_fault_signal[2])))
-# ... or make rank 0's write of a checkpoint's state.pt take this many seconds longer (slow network storage)
+# ... or make rank 0's first torch.save of each checkpoint (state.pt; DeepSpeed's model states) take this many seconds
+# longer, after any gather the save does first: slow network storage
 FAULT_SLOW_SAVE_S = float(os.environ.get("GRT_FAULT_SLOW_SAVE_S", "0") or 0)
+
+
+@contextlib.contextmanager
+def slowed_first_write(seconds: float):
+    if not seconds:
+        yield
+        return
+    save, slowed = torch.save, []
+
+    def slow_save(*args, **kwargs):
+        if not slowed:
+            slowed.append(True)
+            time.sleep(seconds)
+        return save(*args, **kwargs)
+    torch.save = slow_save
+    try:
+        yield
+    finally:
+        torch.save = save
 # ... or make the loss of these steps NaN (comma-separated), to exercise the non-finite path
 FAULT_NAN_STEPS = {int(x) for x in os.environ.get("GRT_FAULT_NAN_STEPS", "").split(",") if x.strip()}
 
@@ -267,9 +287,8 @@ class Trainer:
         state = {"step": self.step, "loader": self.loader.state_dict(), "recipe": self.cfg.to_dict(),
                  "mlflow_run_id": self.tracker_run_id, "info": self.info, "skipped_steps": self.skipped_steps,
                  "world_size": self.backend.world_size}
-        if FAULT_SLOW_SAVE_S and self.backend.is_main:
-            time.sleep(FAULT_SLOW_SAVE_S)
-        pending = self.backend.save_model_optimizer(self.model, self.optimizer, tmp, state)
+        with slowed_first_write(FAULT_SLOW_SAVE_S if self.backend.is_main else 0):
+            pending = self.backend.save_model_optimizer(self.model, self.optimizer, tmp, state)
         if self.step == FAULT_KILL_IN_SAVE:
             os.kill(os.getpid(), signal.SIGKILL)
         self._pending_save = (pending, self.step, t0, rss)
