@@ -8,7 +8,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test setup clean lint gpu-check compare-methods
+.PHONY: demo test setup clean lint gpu-check gpu-check-compat compare-methods
 
 setup: $(STAMP)
 
@@ -45,12 +45,37 @@ test: $(STAMP)
 	$(PY) -m pytest -q --durations=25 tests
 
 # For a lent CUDA machine (torch and triton preinstalled there, nothing else; `python3 bench/gpu_check.py` is the same
-# without make): the CUDA tests and the GPU benchmarks, each phase in its own process under its own time cap (7 min in
+# without make): the CUDA tests and the GPU benchmarks, each phase in its own process under its own time cap (8.2 min in
 # all), $$OUT/gpu_check.json (else runs/gpu-check/) rewritten after every phase. Here (no CUDA) it is a dry run with
 # the .venv's Python. GPU_CHECK_ARGS: e.g. --only gate_op,train_d or --cap-scale 2 (bench/gpu_check.py --help).
 GPU_PY := $(shell test -x $(PY) && echo $(PY) || echo $(PYTHON))
 gpu-check:
 	$(GPU_PY) bench/gpu_check.py $(GPU_CHECK_ARGS)
+
+# `make gpu-check` under the GPU image's versions, here on the CPU (docs/gpu-check.md): a venv of torch 2.11.0 (the
+# PyPI wheel: CUDA 13 libraries, ~3 GB to download once; it runs on a CPU), triton 3.6.0, numpy and psutil (the image
+# has both; train_fsdp's trainer uses them) and nothing else, then every phase's modules imported with the packages
+# the image lacks blocked, the
+# Triton kernels' checks in Triton's interpreter, and the dry run of every phase (Triton's interpreter, tiny sizes),
+# train_fsdp also with inductor. Not part of `make test` (the download; 5-12 min on 2 busy cores).
+COMPAT := .venv-gpu-compat
+COMPAT_STAMP := $(COMPAT)/.installed
+# the image's Python (3.12) where this machine has one that runs
+COMPAT_PYTHON := $(shell python3.12 -c '' 2>/dev/null && echo python3.12 || echo $(PYTHON))
+$(COMPAT_STAMP): Makefile
+	test -x $(COMPAT)/bin/python || $(COMPAT_PYTHON) -m venv $(COMPAT)
+	$(COMPAT)/bin/python -m pip install --quiet "torch==2.11.0" "triton==3.6.0" "numpy>=2,<3" psutil $(QUIET_PIP)
+	touch $(COMPAT_STAMP)
+
+gpu-check-compat: $(COMPAT_STAMP)
+	@start=$$(date +%s); out=runs/gpu-check-compat; \
+	$(COMPAT)/bin/python bench/gpu_check.py --check-imports > /dev/null && \
+	TRITON_INTERPRET=1 $(COMPAT)/bin/python bench/gpu_check.py --interpreted-kernels > /dev/null && \
+	TRITON_INTERPRET=1 $(COMPAT)/bin/python bench/gpu_check.py --tiny --all --cap-scale 2 --out $$out/tiny \
+	  > /dev/null && \
+	$(COMPAT)/bin/python bench/gpu_check.py --only train_fsdp --out $$out/inductor > /dev/null && \
+	echo "gpu-check-compat: torch $$($(COMPAT)/bin/python -c 'import torch; print(torch.__version__)') passed in \
+	$$(( $$(date +%s) - start )) s ($$out/)"
 
 clean:
 	rm -rf $(VENV) runs data mlflow.db mlruns .pytest_cache

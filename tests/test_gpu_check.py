@@ -177,3 +177,63 @@ def test_json_is_whole_after_the_first_phase_when_the_check_is_killed(tmp_path, 
         assert proc.returncode == 143
         assert report["status"] == "interrupted"
         assert report["phases"]["train_d"]["status"] == "interrupted"
+
+
+# ------------------------------------------------------------------------------- fits the GPU machine it is for
+def test_phase_modules_import_without_the_packages_the_gpu_image_lacks():
+    """Every phase's modules import with deepspeed, mlflow, zstandard, tiktoken, PyYAML, pytest, ... looking
+    uninstalled, and numpy too except for train_fsdp (the trainer's data loader): a module-level import of one of
+    them on a phase's import path (e.g. `import mlflow` at the top of pipeline/train/trainer.py) fails here."""
+    r = subprocess.run([sys.executable, "bench/gpu_check.py", "--check-imports"], cwd=ROOT, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(r.stdout)
+    assert {"mlflow", "deepspeed", "zstandard", "tiktoken", "yaml", "pytest", "numpy"} <= set(res["blocked"])
+    assert res["numpy_allowed_for"] == ["train_fsdp"]
+    assert set(res["modules"]) >= {"tests/test_gpu.py", "bench/gate_op.py", "bench/train.py", "bench/decode.py",
+                                   "pipeline.train.trainer"}
+    assert set(res["modules"].values()) == {"ok"}, res["modules"]
+
+
+def test_cuda_plan_fits_the_device_session():
+    """The lent machine gives a session 15 minutes, its start included, one command at most 10: the default phases'
+    caps fit 8.5 minutes with the parent's overhead and leave room for the compiled decode phases (or a rerun of a
+    part) in what is left; the eager decode rows come before anything compiles a decoder; the three profiles name the
+    same phases in the same order."""
+    cuda = gpu_check.CUDA_PHASES
+    default = [p for p in cuda if p.default]
+    assert sum(p.cap_s for p in default) <= 510
+    assert sum(p.cap_s for p in cuda if not p.default) <= 900 - 120 - 510 - 30  # start ~2 min, overheads
+    names = [p.name for p in cuda]
+    assert names == [p.name for p in gpu_check.CPU_PHASES] == [p.name for p in gpu_check.TINY_PHASES]
+    assert names[:2] == ["tests", "train_fsdp"]  # the correctness gates first
+    decode = [n for n in names if n.startswith("decode_")]
+    assert decode[0] == "decode_eager" and all(not p.default for p in cuda if p.name.endswith("_compiled"))
+    assert [p.default for p in cuda] == [p.default for p in gpu_check.TINY_PHASES]
+
+
+@pytest.mark.slow
+def test_train_fsdp_dry_run_resumes_where_it_stopped(tmp_path):
+    """The train_fsdp phase on a CPU (gloo, tiny GRT, bf16, compiled with aot_eager): the trainer with FSDP2 saves a
+    sharded checkpoint at step 4, a new process resumes from it and its steps 5-8 repeat the uninterrupted run's
+    losses exactly (one thread: deterministic); the figures reach the JSON."""
+    proc = check("--only", "train_fsdp", out=tmp_path)
+    stdout, stderr = proc.communicate(timeout=600)
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    phase = report["phases"]["train_fsdp"]
+    assert proc.returncode == 0 and phase["status"] == "ok", (stderr[-3000:], phase.get("error"))
+    r = phase["result"]
+    assert r["recipe"]["train"]["backend"] == "fsdp" and r["recipe"]["train"]["compile"] is True
+    assert r["recipe"]["train"]["dtype"] == "bfloat16" and r["recipe"]["tracking"]["enabled"] is False
+    assert r["checkpoint"]["format"] == "sharded" and r["checkpoint"]["step"] == 4 and not r["checkpoint"]["damage"]
+    assert any(f.endswith(".distcp") for f in r["checkpoint"]["shard_files"])
+    first, resumed = r["uninterrupted"], r["resumed"]
+    assert first["start_step"] == 0 and first["steps"] == list(range(1, 9)) and first["finite"]
+    assert resumed["start_step"] == 4 and resumed["steps"] == [5, 6, 7, 8] and resumed["finite"]
+    assert resumed["compile_backend"] == "aot_eager"
+    c = r["comparison"]
+    assert c["bitwise_equal"] is True and set(c["rel_diff"].values()) == {0.0} and c["max_rel_diff"] == 0.0
+    assert report["summary"] == {"train_fsdp/comparison/bitwise_equal": True,
+                                 "train_fsdp/comparison/max_rel_diff": 0.0}
+    assert c["loss_resumed"] == {s: first["losses"][s] for s in ("5", "6", "7", "8")}
+    assert r["ok"] is True and r["problems"] == []

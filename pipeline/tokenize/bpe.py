@@ -9,10 +9,10 @@ import functools
 import hashlib
 import importlib.util
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import tiktoken
-from tiktoken.load import data_gym_to_mergeable_bpe_ranks
-from tiktoken_ext.openai_public import r50k_pat_str  # GPT-2's pre-tokenisation regex
+if TYPE_CHECKING:
+    import tiktoken
 
 EOT_TOKEN = "<|endoftext|>"
 GPT2_EOT_ID = 50256
@@ -32,6 +32,11 @@ def _vocab_files() -> tuple[str, str]:
 
 @functools.lru_cache(maxsize=None)
 def gpt2_encoding() -> tiktoken.Encoding:
+    # tiktoken here, not at the top: training imports this module for tokenizer_identity, which needs no tiktoken
+    import tiktoken
+    from tiktoken.load import data_gym_to_mergeable_bpe_ranks
+    from tiktoken_ext.openai_public import r50k_pat_str  # GPT-2's pre-tokenisation regex
+
     vocab_bpe, encoder_json = _vocab_files()
     ranks = data_gym_to_mergeable_bpe_ranks(vocab_bpe_file=vocab_bpe, encoder_json_file=encoder_json)
     enc = tiktoken.Encoding(name="gpt2", pat_str=r50k_pat_str, mergeable_ranks=ranks,
