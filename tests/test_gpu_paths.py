@@ -15,7 +15,6 @@ CPU with gloo:
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path

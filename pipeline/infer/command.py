@@ -72,15 +72,10 @@ def option_problems(args, n_prompts: int) -> list[str]:
         p.append(f"--exit-threshold applies to an exit criterion: add --exit {{{','.join(CRITERIA)}}} or drop it")
     if any(s == "" for s in args.stop or []):
         p.append("--stop '': an empty stop string would end every generation at once; drop it")
-    if precision_of(args) not in PRECISIONS:
-        p.append(f"--dtype {precision_of(args)}: choose one of {', '.join(PRECISIONS)} (auto: bf16 on a GPU that has "
+    if args.dtype not in PRECISIONS:
+        p.append(f"--dtype {args.dtype}: choose one of {', '.join(PRECISIONS)} (auto: bf16 on a GPU that has "
                  f"it, fp32 elsewhere)")
     return p
-
-
-def precision_of(args) -> str:
-    """--dtype: the forwards' precision (pipeline/infer/precision.py)."""
-    return args.dtype
 
 
 def model_problems(args, cfg, n_vocab: int) -> list[str]:
@@ -138,8 +133,8 @@ def generate_command(args, out=None, err=None) -> int:
         out.write(prompts[0])
         out.flush()
     gen = generate(model, ids, args.max_new_tokens, block_size, n_steps=args.n_steps, kv=args.kv, sampler=sampler,
-                   stop=stop, early_exit=early, dtype=precision_of(args))
-    arithmetic = {torch.bfloat16: "bf16", torch.float32: "fp32"}[autocast_dtype(precision_of(args), device)]
+                   stop=stop, early_exit=early, dtype=args.dtype)
+    arithmetic = {torch.bfloat16: "bf16", torch.float32: "fp32"}[autocast_dtype(args.dtype, device)]
     depth = early.n_max if early else (args.n_steps or model_class(cfg.model.type).full_depth(cfg.model))
     halting = cfg.model.type == "recurtrace" and args.n_steps is None  # its halting head sets each token's loops
     speed = (f"{gen.n_tokens} new tokens in {gen.seconds:.2f} s, {gen.n_tokens / max(gen.seconds, 1e-9):.1f} "
