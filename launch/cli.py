@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from launch.plan import LAUNCHERS, PlanError, make_plan
+from launch.rendezvous import DEFAULT_TIMEOUT_S, meet, needs_meeting
 from launch.render import commands, describe, files
 
 # The programs of the rendered commands, run with this Python so that the ranks use the environment grt runs in.
@@ -36,6 +37,9 @@ def add_launch_parser(sub) -> None:
                    help="default: derived from SLURM_JOB_ID, else from the run name (docs/multi-node.md)")
     s.add_argument("--node-rank", type=int, default=None,
                    help="run only this node's command (torchrun; deepspeed without ssh)")
+    s.add_argument("--rendezvous-timeout", type=float, default=DEFAULT_TIMEOUT_S, metavar="S",
+                   help="with --node-rank: seconds to wait for every node to meet before the launcher starts "
+                        f"(default {DEFAULT_TIMEOUT_S}); a node missing then is named, with the likely cause")
     s.add_argument("--hostfile", default=None, help="deepspeed: hostfile (`host slots=G` lines)")
     s.add_argument("--hosts", default=None, help="deepspeed: comma-separated host names; a hostfile is written")
     s.add_argument("--gpu-mem", type=float, default=None, metavar="GB",
@@ -49,11 +53,13 @@ def add_launch_parser(sub) -> None:
                                                  "virtual environment grt runs in)")
     s.add_argument("--template", default=None, help="slurm: your own sbatch template (default "
                                                     "launch/templates/sbatch.sh)")
-    s.add_argument("--grace", type=int, default=300, help="slurm: seconds between SIGTERM and the time limit")
+    s.add_argument("--grace", type=int, default=300, help="slurm: seconds between SIGTERM and the time limit "
+                                                           "(at least 90, less than --time)")
     s.add_argument("--cpus-per-node", type=int, default=None, metavar="N",
                    help="slurm: CPUs for each node's G ranks together (sbatch --cpus-per-task, one task per node); "
                         "default: whole nodes (--exclusive)")
-    s.add_argument("--time", default=None, help="slurm: --time (e.g. 24:00:00)")
+    s.add_argument("--time", default=None, help="slurm: --time as sbatch reads it: MM, MM:SS, HH:MM:SS, D-HH, "
+                                                 "D-HH:MM, D-HH:MM:SS (e.g. 24:00:00)")
     s.add_argument("--partition", default=None, help="slurm: --partition")
     s.add_argument("--account", default=None, help="slurm: --account")
     s.set_defaults(fn=cmd_launch)
@@ -138,6 +144,10 @@ def cmd_launch(args) -> int:
     if plan.launcher == "slurm":
         return submit(commands(plan)[0].argv[1])
     cmd = commands(plan)[0]
+    if needs_meeting(plan):  # a node sent to another port (another name=) is named, not waited for in silence
+        print(f"grt launch: node {plan.node_rank} of {plan.nodes} waiting for the others at {plan.master_addr}:"
+              f"{plan.master_port} (at most {args.rendezvous_timeout:g} s)", flush=True)
+        meet(plan, args.rendezvous_timeout)
     print(f"grt launch: {cmd.text()}", flush=True)
     argv = PROGRAMS.get(cmd.argv[0], cmd.argv[:1]) + cmd.argv[1:]
     os.execvpe(argv[0], argv, {**os.environ, **cmd.env})  # the launcher takes this process: signals, exit code

@@ -59,6 +59,38 @@ def read_hostfile(path: str, problems: list[str]) -> list[tuple[str, int]] | Non
     return out
 
 
+def duplicate_hosts(source: str, hosts: list[str], problems: list[str]) -> None:
+    """One problem if a host is named twice in ``hosts`` (from ``source``: --hosts or --hostfile F): DeepSpeed's
+    hostfile parser refuses a repeated host, and two nodes of one host would double its ranks."""
+    twice = sorted({h for h in hosts if hosts.count(h) > 1})
+    if twice:
+        problems.append(f"{source}: {', '.join(twice)} named twice (DeepSpeed refuses duplicate hostfile entries); "
+                        f"name each node once")
+
+
+# sbatch(1) --time: "minutes", "minutes:seconds", "hours:minutes:seconds", "days-hours", "days-hours:minutes",
+# "days-hours:minutes:seconds"; 0, -1, INFINITE and UNLIMITED mean no limit (Slurm's parse_time.c, time_str2secs)
+SLURM_DAYS = re.compile(r"(\d+)-(\d+)(?::(\d+)(?::(\d+))?)?")
+SLURM_CLOCK = re.compile(r"\d+(?::\d+){0,2}")
+
+
+def slurm_time_s(text: str) -> int | None:
+    """The time limit of a SLURM ``--time`` in seconds, rounded up to the minute as SLURM does ("time resolution is
+    one minute and second values are rounded up"); None for no limit. Raises ValueError on any other text."""
+    if text.upper() in ("-1", "INFINITE", "UNLIMITED"):
+        return None
+    if m := SLURM_DAYS.fullmatch(text):
+        d, h, mi, sec = (int(x or 0) for x in m.groups())
+        secs = ((d * 24 + h) * 60 + mi) * 60 + sec
+    elif SLURM_CLOCK.fullmatch(text):
+        parts = [int(x) for x in text.split(":")]
+        h, mi, sec = {1: [0, parts[0], 0], 2: [0, *parts], 3: parts}[len(parts)]  # one number: minutes
+        secs = (h * 60 + mi) * 60 + sec
+    else:
+        raise ValueError(f"not a SLURM time: {text!r}")
+    return None if secs == 0 else -(-secs // 60) * 60
+
+
 @dataclass
 class Plan:
     """One launch, fully decided: every field is what ends up in a command or a file."""
@@ -137,10 +169,10 @@ def make_plan(*, launcher: str, nodes: int, gpus_per_node: int, recipe: str, ove
                  f"`grt launch ... --node-rank K --master-addr NODE0` on every node instead")
     if hosts and len(hosts) < nodes:
         p.append(f"--hosts names {len(hosts)} host(s) for --nodes {nodes}: name at least {nodes}")
-    if len(set(hosts)) != len(hosts):
-        p.append(f"--hosts {','.join(hosts)}: a host is named twice (DeepSpeed refuses duplicate hostfile entries)")
+    duplicate_hosts(f"--hosts {','.join(hosts)}", hosts, p)
     if hostfile:
         listed = read_hostfile(hostfile, p)
+        duplicate_hosts(f"--hostfile {hostfile}", [h for h, _ in listed or []], p)
         if listed is not None and len(listed) < nodes:
             p.append(f"--hostfile {hostfile} lists {len(listed)} host(s) for --nodes {nodes}: add a line "
                      f"`host slots={gpus_per_node}` per node")
@@ -166,6 +198,18 @@ def make_plan(*, launcher: str, nodes: int, gpus_per_node: int, recipe: str, ove
     if grace_s < 90:
         p.append(f"--grace {grace_s}: give at least 90 s between SIGTERM and the time limit (torchrun gives the ranks "
                  f"GRACE - 60 s to save a checkpoint, the last minute is for the requeue)")
+    if launcher == "slurm" and time is not None:
+        try:
+            limit_s = slurm_time_s(time)
+        except ValueError:
+            p.append(f"--time {time}: not a SLURM time limit; give minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM or "
+                     f"D-HH:MM:SS (e.g. 24:00:00)")
+        else:
+            # equal is refused too: TERM would come as the job starts, and it would save and stop having trained nothing
+            if limit_s is not None and grace_s >= limit_s:
+                p.append(f"--grace {grace_s} s is not shorter than --time {time} ({limit_s} s): SLURM sends TERM "
+                         f"GRACE seconds before the limit, so the job would stop as it starts; give a longer --time "
+                         f"or a shorter --grace (at least 90)")
     if p:
         raise PlanError(p)
     if master_port is not None:

@@ -104,6 +104,37 @@ def finished(cfg) -> tuple[bool, str]:
     return True, ""
 
 
+class SharedRunFolderError(ValueError):
+    """Two recipes of a sweep train into one run folder: the second would resume the first's run and train nothing."""
+
+
+def refuse_shared_run_folders(recipes: list[Path], cfgs: list, overrides: list) -> None:
+    """Raise :class:`SharedRunFolderError` naming the first two recipes whose run folders (out_dir/name, resolved)
+    are one; ``cfgs`` holds each recipe's config, or the exception it failed to load with (it cannot collide)."""
+    seen: dict[Path, Path] = {}
+    for path, cfg in zip(recipes, cfgs):
+        if isinstance(cfg, BaseException):
+            continue
+        folder = cfg.run_dir.resolve()
+        if folder in seen:
+            fix = ("drop the name= override (it gives every recipe that name)" if any(
+                str(o).startswith("name=") for o in overrides) else "give each recipe a distinct `name:`")
+            raise SharedRunFolderError(
+                f"grt sweep: {seen[folder]} and {path} both train into the run folder {folder}: the second would "
+                f"resume the first's run, train nothing and report its val loss; {fix}. Nothing was run")
+        seen[folder] = path
+
+
+def _load(path: Path, overrides: list, data: Optional[str]):
+    """The recipe's config, or the exception it fails to load with (reported in its turn, the others still run)."""
+    from pipeline.config import load_recipe
+
+    try:
+        return load_recipe(path, overrides, data=data)
+    except Exception as e:  # noqa: BLE001 (a broken recipe is reported in its row)
+        return e
+
+
 def _one_line(e: BaseException) -> str:
     text = str(e).strip() or type(e).__name__
     return " | ".join(line.strip() for line in text.splitlines() if line.strip())
@@ -115,17 +146,19 @@ def run_sweep(folder: str | Path, overrides: list | None = None, data: Optional[
     :class:`SweepRow` each. A run already trained to its max_steps and evaluated there is skipped ("done before")
     unless ``rerun``, so the same command continues an interrupted sweep. Failures are caught per recipe (printed
     as they happen); a stop (TrainingStopped, KeyboardInterrupt) is raised after the summary is printed, with the
-    remaining recipes marked "not run"."""
-    from pipeline.config import load_recipe
-
+    remaining recipes marked "not run". Two recipes with one run folder are refused (SharedRunFolderError) before
+    anything runs, dry run included."""
     recipes = sweep_recipes(folder)
     overrides = [tag_override(folder), *(overrides or [])]
+    cfgs = [_load(p, overrides, data) for p in recipes]  # every recipe first: a broken one fails here, before any run
+    refuse_shared_run_folders(recipes, cfgs, overrides)
     rows = [SweepRow(str(p)) for p in recipes]
     main = int(os.environ.get("RANK", "0")) == 0
-    for i, (path, row) in enumerate(zip(recipes, rows), 1):
+    for i, (path, row, cfg) in enumerate(zip(recipes, rows, cfgs), 1):
         t0 = time.time()
         try:
-            cfg = load_recipe(path, overrides, data=data)  # a broken recipe fails here, before anything runs
+            if isinstance(cfg, BaseException):
+                raise cfg
             row.name = cfg.name
             if dry_run:
                 row.status = "dry run"

@@ -266,6 +266,67 @@ def test_hostfile_too_short_is_refused(tmp_path):
     assert "lists 1 host(s) for --nodes 2" in str(e.value) and "only-one" in str(e.value)
 
 
+def test_a_host_named_twice_is_refused_in_hosts_and_in_a_hostfile_alike(tmp_path):
+    """DeepSpeed's own hostfile reader refuses the repeated host, so both ways of naming the hosts are refused before
+    anything is written, with one problem line of the same form."""
+    from deepspeed.launcher.runner import _parse_hostfile
+
+    hf = tmp_path / "hostfile"
+    hf.write_text("gpu-a slots=8\ngpu-b slots=8\ngpu-a slots=8\n")
+    with pytest.raises(ValueError, match="multiple entries for gpu-a"):
+        _parse_hostfile(hf.read_text().splitlines())  # the reference: what DeepSpeed's launcher does with it
+    args = dict(launcher="deepspeed", nodes=2, gpus_per_node=8, recipe="r.yaml", overrides=[], name="x",
+                backend="deepspeed", run_dir="runs/x", workdir="/w", environ={})
+    problems = {}
+    for source, kw in ((f"--hostfile {hf}", dict(hostfile=str(hf))), ("--hosts gpu-a,gpu-b,gpu-a",
+                                                                      dict(hosts=["gpu-a", "gpu-b", "gpu-a"]))):
+        with pytest.raises(PlanError) as e:
+            make_plan(**args, **kw)
+        (line,) = [q for q in e.value.problems if "twice" in q]
+        assert line.startswith(f"{source}: gpu-a named twice"), line
+        problems[source] = line[len(source):]
+    assert len(set(problems.values())) == 1, problems  # the same check, the same words
+
+
+# SLURM's --time (sbatch(1): "minutes", "minutes:seconds", "hours:minutes:seconds", "days-hours", ...; seconds rounded
+# up to the minute; 0 / UNLIMITED: no limit), against the grace before it: (time, grace, refused)
+@pytest.mark.parametrize("time_limit, grace, refused", [
+    ("5", 300, True),  # a bare number is minutes: 300 s, equal to the grace -> TERM as the job starts
+    ("5", 240, False),
+    ("4:01", 300, True),  # minutes:seconds, 241 s rounded up to 300 s
+    ("5:01", 300, False),  # 301 s -> 360 s
+    ("4:30", 285, False),  # 270 s -> 300 s: SLURM's limit, not the written one
+    ("0:05:00", 300, True),  # hours:minutes:seconds
+    ("0:05:01", 300, False),
+    ("0-0:5", 300, True),  # days-hours:minutes
+    ("1-0", 86400, True),  # days-hours
+    ("1-0", 86399, False),
+    ("24:00:00", 3600, False),
+    ("24:00:00", 86400, True),
+    ("0", 10 ** 6, False),  # no limit
+    ("UNLIMITED", 10 ** 6, False),
+])
+def test_grace_not_shorter_than_the_time_limit_is_refused(time_limit, grace, refused):
+    args = dict(launcher="slurm", nodes=2, gpus_per_node=8, recipe="r.yaml", overrides=[], name="x",
+                backend="fsdp", run_dir="runs/x", workdir="/w", environ={}, grace_s=grace, time=time_limit)
+    if not refused:
+        assert make_plan(**args).time == time_limit
+        return
+    with pytest.raises(PlanError) as e:
+        make_plan(**args)
+    (line,) = e.value.problems
+    assert line.startswith(f"--grace {grace} s is not shorter than --time {time_limit} (") and "\n" not in line
+
+
+def test_time_limit_sbatch_cannot_read_is_refused_and_other_launchers_ignore_it():
+    args = dict(nodes=1, gpus_per_node=2, recipe="r.yaml", overrides=[], name="x", backend="fsdp", run_dir="runs/x",
+                workdir="/w", environ={})
+    for bad in ("60:", "1h", "-60:10", "1:2:3:4"):  # refused by Slurm's time_str2secs (its unit test) or no format
+        with pytest.raises(PlanError, match=f"--time {bad}: not a SLURM time limit"):
+            make_plan(launcher="slurm", time=bad, **args)
+    assert make_plan(launcher="torchrun", time="1", **args).launcher == "torchrun"  # --time is for slurm only
+
+
 # ------------------------------------------------------------------------------------------- the CLI (in-process)
 
 

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 from conftest import free_port, launched_recipe, printed_steps, step_losses, subprocess_env
 
@@ -180,3 +181,39 @@ def test_rank0_memory_during_a_save_full_vs_sharded(setup):
     for ws in (2, 3):
         assert peaks[("full", ws)] > 0.8 * state_mb  # the whole state passes through rank 0
         assert peaks[("sharded", ws)] < 1.2 * state_mb / ws  # never more than its own share (+ slack)
+
+
+def test_a_full_disk_during_an_async_sharded_save_stops_every_rank_and_the_run_resumes(setup, capsys):
+    """Rank 1's background write of its shard of step 4 runs out of space (GRT_FAULT_DISK_FULL: ENOSPC inside DCP's
+    writer after 4 KiB). The error reaches every rank at the next wait for that save: rank 0 alone says "disk full" in
+    one line, no rank prints a traceback, the staging folder is removed, stopped.json names step 2, the job exits
+    non-zero; step 2 is intact, and one process resumes from it to step 3's loss (1e-5: 2 ranks -> 1)."""
+    from pipeline.config import from_dict
+    from pipeline.train.checkpoint import verify_checkpoint
+    from pipeline.train.trainer import Trainer
+
+    tmp, recipe = setup
+    run = tmp / "runs" / "disk-full"
+    short = {"max_steps": 5, "checkpoint_interval": 2, "grad_accum_steps": 2}
+    p = launch(recipe, "disk-full", 2, "train.backend=fsdp", "train.async_checkpoint=true",
+               *(f"train.{k}={v}" for k, v in short.items()), port=free_port(),
+               fault={"GRT_FAULT_DISK_FULL": "4:4096:1"}, check=False)
+    assert p.returncode != 0, p.stderr[-3000:]
+    said = [line for line in p.stderr.splitlines() if "disk full" in line]
+    assert len(said) == 1 and said[0].startswith("error: disk full: the checkpoint of step 4 "), p.stderr[-3000:]
+    # the only traceback is torchrun's own report that a rank exited 1
+    assert all("ChildFailedError" in t for t in p.stderr.split("Traceback (most recent call last):")[1:]), p.stderr
+    ckpts = run / "checkpoints"
+    assert sorted(q.name for q in ckpts.iterdir()) == ["step_00000002"]  # .tmp_step_00000004 removed
+    assert json.loads((run / "stopped.json").read_text())["step"] == 2
+    assert verify_checkpoint(ckpts / "step_00000002") == []
+    first = step_losses(run)
+    assert max(first) >= 4
+
+    r = yaml.safe_load(recipe.read_text())
+    r["name"] = "disk-full"
+    r["train"].update(short, backend="single", max_steps=3)
+    capsys.readouterr()
+    Trainer(from_dict(r)).fit()
+    assert "resumed at step 2 on single x1 " in capsys.readouterr().out
+    assert step_losses(run)[3] == pytest.approx(first[3], rel=1e-5, abs=1e-6)

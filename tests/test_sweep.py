@@ -117,6 +117,13 @@ def test_real_sweep_tags_its_runs_so_compare_finds_them(tmp_path, corpus, capsys
     assert main(["compare", "--tracking-uri", recipe["tracking"]["uri"], "--experiment", "tests",
                  "--tag", "sweep=tiny-sweep", "--out", str(tmp_path / "cmp")]) == 0
     assert "tiny-one" in capsys.readouterr().out
+    # the run folder is held to the same tag (its recipe.yaml's tracking.tags, as MLflow holds its run)
+    from pipeline.config import TrackingConfig
+    from pipeline.eval.compare import collect
+    run_dir = str(tmp_path / "runs" / "tiny-one")
+    assert [r["name"] for r in collect([run_dir], TrackingConfig(), tags={"sweep": "tiny-sweep"})] == ["tiny-one"]
+    assert main(["compare", run_dir, "--tag", "sweep=other"]) == 1
+    assert "does not carry --tag sweep=other (its recipe.yaml gives sweep=tiny-sweep)" in capsys.readouterr().err
     # the same command again: the real checkpoint's recipe.yaml equals the recipe, so the run is skipped
     assert main(["sweep", str(folder)]) == 0
     out = capsys.readouterr().out
@@ -224,3 +231,24 @@ def test_a_finished_and_evaluated_run_is_skipped_unless_rerun(sweep_folder, caps
     calls.clear()
     run_sweep(sweep_folder, runner=lambda recipe, *a: calls.append(Path(recipe).name), rerun=True)
     assert calls == ["a.yaml", "c.yaml", "d.yaml"]
+
+@pytest.mark.parametrize("second, overrides, pair, run", [
+    ("name: run-a\n", [], ("a.yaml", "a2.yaml"), "run-a"),  # the same name
+    ("name: run-a\nout_dir: runs\n", [], ("a.yaml", "a2.yaml"), "run-a"),  # out_dir spelled relative to the cwd
+    ("name: run-e\n", ["name=shared"], ("a.yaml", "a2.yaml"), "shared"),  # one name= for the whole sweep
+])
+def test_two_recipes_with_one_run_folder_are_refused_before_anything_runs(sweep_folder, tmp_path, monkeypatch,
+                                                                          capsys, second, overrides, pair, run):
+    """The second recipe would resume the first's run folder, train nothing and report the first's val loss as its
+    own: `--dry-run` and the sweep itself refuse in one line naming both files, the folder and the fix."""
+    monkeypatch.chdir(tmp_path)
+    write(sweep_folder, "a2.yaml", "base: _base.yaml\n" + second)
+    folder = (tmp_path / "runs" / run).resolve()  # tiny_recipe's out_dir is tmp_path/runs
+    assert main(["sweep", str(sweep_folder), *overrides, "--dry-run"]) == 1
+    out, err = capsys.readouterr()
+    assert "1. " not in out and len(err.strip().splitlines()) == 1, (out, err)
+    assert all(str(sweep_folder / f) in err for f in pair) and f"run folder {folder}" in err, err
+    assert ("drop the name= override" if overrides else "give each recipe a distinct `name:`") in err
+    with pytest.raises(ValueError, match="both train into the run folder"):
+        sweep_command(str(sweep_folder), overrides, runner=never_called)
+    assert not (tmp_path / "runs").exists()

@@ -24,6 +24,7 @@ import torch.nn as nn
 
 from pipeline.config import TrainConfig
 from pipeline.train.checkpoint import SHARDS_DIR, checkpoint_format_of, verify_checkpoint, write_index
+from pipeline.train.peers import Heartbeat, compare_job, rank_list, where
 
 
 def pick_device(name: str, local_rank: int = 0) -> torch.device:
@@ -140,6 +141,14 @@ class SingleProcess:
     def barrier(self, patient: bool = False) -> None:
         pass
 
+    def check_same_job(self, recipe: dict) -> None:
+        """Refuse to start when the nodes were given different recipes or code (one process: nothing to compare)."""
+
+    def lost_ranks(self) -> tuple[str, list[int]] | None:
+        """After a failed collective: which ranks stopped answering (in words, and their numbers); None when every
+        rank still does."""
+        return None
+
     def close(self, ok: bool = True) -> None:
         pass
 
@@ -162,8 +171,19 @@ class SingleProcess:
             return None
         import torch.distributed.checkpoint as dcp
 
-        self._write_state(folder, {**state, "checkpoint_format": "sharded"})
+        from pipeline.train.checkpoint import shard_writer
+
+        error = None
+        try:
+            self._write_state(folder, {**state, "checkpoint_format": "sharded"})
+        except Exception as e:  # noqa: BLE001 — raised below, on every rank
+            error = e
+        # rank 0 writes state.pt alone: the shards' collective writes start only if it did (a full disk), else the
+        # others would wait in them for rank 0
+        if not self.all_true(error is None, patient=True):
+            raise error or OSError(f"rank 0 could not write {folder / 'state.pt'} (see its error)")
         shards, where = self._shards(model, optimizer, folder)
+        where["storage_writer"] = shard_writer(folder / SHARDS_DIR)  # its full disk reaches every rank as ENOSPC
         if self.cfg.async_checkpoint:
             return dcp.async_save(shards, **where)
         dcp.save(shards, **where)
@@ -242,6 +262,8 @@ class TorchDistributed(SingleProcess):
         # and a group of its own, since an async save coordinates from a background thread while the training runs
         # collectives on the others
         self._checkpoint_group = dist.new_group(backend="gloo", timeout=PATIENT_TIMEOUT)
+        self.nodes: list = [(None, "unknown")] * self.world_size  # (node rank, host) per rank: check_same_job
+        self._heartbeat = Heartbeat.start(self.rank, self.world_size)
         if self.device.type == "cuda":
             self._refuse_shared_gpus()
 
@@ -264,6 +286,24 @@ class TorchDistributed(SingleProcess):
 
     def checkpoint_group(self):
         return self._checkpoint_group
+
+    def check_same_job(self, recipe: dict) -> None:
+        """Every rank compares a digest of the resolved recipe and of the code with the others' (before any model
+        wrapper: a different d_model would otherwise surface as a DDP/FSDP traceback) and stops on a difference."""
+        self.nodes = compare_job(recipe, self.rank, self.world_size, self._patient_group)
+
+    def lost_ranks(self) -> tuple[str, list[int]] | None:
+        hb = self._heartbeat
+        if hb is None:
+            return None
+        silent = hb.silent_ranks()
+        if silent is None:  # the store lives on node 0 (torchrun's agent there, or rank 0 itself)
+            node0 = [r for r, n in enumerate(self.nodes) if n == self.nodes[0]]
+            return (f"node 0 (ranks {rank_list(node0)}, {where(0, self.nodes)}) stopped answering: the launcher's "
+                    f"store it hosts at {hb.address} cannot be reached", node0)
+        if not silent:
+            return None
+        return ", ".join(f"rank {r} ({where(r, self.nodes)})" for r in silent) + " stopped answering", silent
 
     def all_true(self, flag: bool, patient: bool = False) -> bool:
         if patient:
@@ -291,6 +331,8 @@ class TorchDistributed(SingleProcess):
         """``ok``: every rank got here the same way (finished or stopped together), so they wait for each other
         before the group goes; after a failure of some ranks that barrier would pair with whatever collective the
         others are in, so the group is torn down at once (their collectives fail: the error they should see)."""
+        if self._heartbeat is not None:
+            self._heartbeat.stop()
         if dist.is_initialized():
             if ok:
                 try:

@@ -11,6 +11,7 @@ an export of ``grt checkpoint convert --to safetensors`` is a folder with ``mode
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import os
@@ -43,6 +44,81 @@ def prepare_staging(ckpt_root: Path, step: int) -> Path:
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     return tmp
+
+
+DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)  # no space left; the user's quota exceeded: the same remedy
+
+
+def disk_full_cause(error: BaseException | None) -> OSError | None:
+    """The "no space left" OSError behind a failed save, wherever the writer wrapped it: torch.save raises a
+    RuntimeError of its own with it as the context; torch.distributed.checkpoint a CheckpointException holding every
+    rank's error (see :func:`shard_writer`)."""
+    seen, todo = set(), [error]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in DISK_FULL_ERRNOS:
+            return e
+        failures = getattr(e, "failures", None)  # CheckpointException: {rank: (error, traceback summary)}
+        if isinstance(failures, dict):
+            todo += [f[0] if isinstance(f, tuple) else f for f in failures.values()]
+        todo += [e.__cause__, e.__context__]
+    return None
+
+
+def shard_writer(path: Path):
+    """torch.distributed.checkpoint's file writer, except that a shard write that ran out of space fails with that
+    OSError itself: DCP sends each rank's error to the others pickled, which drops the OSError that torch.save's
+    RuntimeError carries only as its context, and every rank must learn that the disk is full."""
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    class Writer(FileSystemWriter):
+        def write_data(self, plan, planner):
+            try:
+                return super().write_data(plan, planner)
+            except Exception as e:
+                cause = disk_full_cause(e)
+                if cause is None:
+                    raise
+                raise OSError(cause.errno, cause.strerror, cause.filename) from e
+
+    return Writer(path)
+
+
+def _mount_point(path: Path) -> Path:
+    path = path.resolve()
+    while not os.path.ismount(path) and path != path.parent:
+        path = path.parent
+    return path
+
+
+def _mb(n: float) -> str:
+    return f"{n / 2**30:,.1f} GB" if n >= 2**30 else f"{n / 2**20:,.1f} MB"
+
+
+def disk_full_message(ckpt_root: Path, step: int, cause: OSError | None, out_dir: Path) -> str:
+    """One line once the save of ``step`` ran out of space and its staging folder is gone: the filesystem and its
+    free space, the checkpoint the run resumes from, and the two fixes."""
+    where = next(p for p in (ckpt_root, *ckpt_root.parents) if p.exists())
+    usage, mount = shutil.disk_usage(where), _mount_point(where)
+    published = list_checkpoints(ckpt_root)
+    last = published[-1] if published else None
+    try:
+        size = sum(e["bytes"] for e in json.loads((last / INDEX).read_text())["files"].values()) if last else 0
+    except (OSError, ValueError, KeyError, TypeError):
+        size = 0
+    need = f"; a checkpoint of this run takes {_mb(size)}" if size else ""
+    resume = (f"the newest checkpoint, {last}, is intact: the run resumes from it" if last else
+              "no checkpoint of this run was written before: the run starts over")
+    what = ("another rank's write found no space left" if cause is None else
+            f"{cause.strerror}: {cause.filename}" if cause.filename else str(cause))
+    tmp = staging_dir(ckpt_root, step).name
+    return (f"disk full: the checkpoint of step {step} did not fit under {ckpt_root} (filesystem {mount}: "
+            f"{_mb(usage.free)} free of {_mb(usage.total)} now that its unfinished {tmp} is removed{need}; {what}). {resume[0].upper()}{resume[1:]}. Free space on {mount}, or move the run "
+            f"folder to a filesystem with room and pass out_dir= of its new parent (now {out_dir}); then run the "
+            f"same command again")
 
 
 INDEX = "index.json"  # a checkpoint's integrity index, written last
@@ -234,6 +310,8 @@ def resolve_checkpoint(path: str | Path, verify: bool = True) -> Path:
     the checkpoint must match its integrity index (:func:`check_intact`)."""
     p = Path(path)
     found_file = None
+    if p.is_file() and p.suffix in (".yaml", ".yml"):
+        raise ValueError(not_a_checkpoint(p))
     if p.is_file():
         found_file = p
     else:
@@ -257,6 +335,22 @@ def resolve_checkpoint(path: str | Path, verify: bool = True) -> Path:
                                      f"({', '.join(aside)}); train the run again (`grt train RECIPE`)")
     raise FileNotFoundError(f"no checkpoint under {p}: expected a run folder (runs/NAME), a step folder, a state.pt "
                             f"file or an exported {SAFETENSORS}; train first with `grt train RECIPE`")
+
+
+def not_a_checkpoint(recipe: Path) -> str:
+    """What to pass instead of a YAML recipe where a checkpoint is expected: the checkpoint folder it lies in, or the
+    run folder the recipe trains."""
+    if (recipe.parent / "state.pt").is_file() or (recipe.parent / SAFETENSORS).is_file():
+        return f"{recipe} is the recipe of a checkpoint, not a checkpoint: pass its folder, {recipe.parent}"
+    try:
+        from pipeline.config import load_recipe
+
+        run = load_recipe(recipe).run_dir
+    except Exception:  # noqa: BLE001 — any recipe problem: the generic advice below
+        return (f"{recipe} is a YAML recipe, not a checkpoint: pass the run folder it trained (runs/NAME), a step "
+                f"folder or a state.pt")
+    trained = "" if list_checkpoints(run / "checkpoints") else f"; it has no checkpoint yet: `grt train {recipe}`"
+    return f"{recipe} is a YAML recipe, not a checkpoint: pass the run folder it trains, {run}{trained}"
 
 
 SAFETENSORS = "model.safetensors"
@@ -385,3 +479,55 @@ def _read_shards(key: str, folder: Path) -> dict:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is unavailable or uninitialized")
         return _load_state_dict_from_keys(key, checkpoint_id=str(folder / SHARDS_DIR))[key]
+
+
+def check_loadable(folder: Path) -> None:
+    """Read every file of the checkpoint at ``folder`` the way its format's reader does, in full: state.pt (and every
+    DeepSpeed ``.pt``) unpickled without memory-mapping; a sharded checkpoint's ``.distcp`` files against the byte
+    ranges its ``.metadata`` records, then its whole state assembled on the CPU. Raise
+    :class:`DamagedCheckpointError` naming the first file that does not read. For a checkpoint without an index (what
+    ``grt checkpoint verify --adopt`` indexes): a shard cut short must not be taken as it is."""
+    for f in _files_of(folder):  # an I/O error anywhere; the bytes are then in the page cache for the readers below
+        with unreadable_as_damage(f), open(f, "rb") as fh:
+            while fh.read(1 << 24):
+                pass
+    state_pt = folder / "state.pt"
+    if not state_pt.is_file():
+        raise DamagedCheckpointError(f"{folder} has no state.pt: not a checkpoint grt wrote (or it lost that file)")
+    with unreadable_as_damage(state_pt):
+        fmt = checkpoint_format_of(folder, torch.load(state_pt, map_location="cpu", weights_only=False))
+    for f in sorted((folder / "deepspeed").rglob("*.pt")):
+        with unreadable_as_damage(f):
+            torch.load(f, map_location="cpu", weights_only=False)
+    if fmt == "sharded":
+        _check_shards(folder / SHARDS_DIR)
+    elif fmt == "deepspeed" and not any((folder / "deepspeed").rglob("*.pt")):
+        raise DamagedCheckpointError(f"{folder}/deepspeed holds no DeepSpeed files: its weights are gone")
+
+
+def _check_shards(shards: Path) -> None:
+    """Every byte range the DCP metadata lists lies inside its ``.distcp`` file, and the whole state reads."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    meta_file = shards / ".metadata"
+    if not meta_file.is_file():
+        raise DamagedCheckpointError(f"{meta_file} is missing: the sharded checkpoint's table of contents is gone")
+    with unreadable_as_damage(meta_file):
+        storage = FileSystemReader(str(shards)).read_metadata().storage_data
+    needed: dict[str, int] = {}
+    for info in storage.values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    for name, end in sorted(needed.items()):
+        f = shards / name
+        if not f.is_file():
+            raise DamagedCheckpointError(f"{f} is missing (the shard's .metadata lists it)")
+        if f.stat().st_size < end:
+            raise DamagedCheckpointError(f"{f} has {f.stat().st_size:,} bytes, the shards' .metadata places data up "
+                                         f"to byte {end:,}: truncated")
+    import warnings
+
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
+
+    with unreadable_as_damage(shards), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is unavailable or uninitialized")
+        _load_state_dict_from_keys(checkpoint_id=str(shards))  # every key: model and optimizer

@@ -18,6 +18,7 @@ import hashlib
 import json
 import math
 import os
+import shutil
 import signal
 import sys
 import time
@@ -27,15 +28,15 @@ import torch
 
 from ops import set_backend as set_fused_ops_backend
 from pipeline.config import RunConfig
-from pipeline.exits import TrainingStopped
+from pipeline.exits import DiskFull, TrainingStopped
 from pipeline.locking import FolderLock
 from pipeline.model import model_class, model_info
 from pipeline.tokenize.bpe import tokenizer_identity
 from pipeline.tracking import open_training_tracker
 from pipeline.train.backend import build_backend
 from pipeline.train.callbacks import Callback, ConsoleLogger, TrackerCallback
-from pipeline.train.checkpoint import (INDEX, hash_share, list_checkpoints, load_checkpoint, prepare_staging, publish,
-                                       set_aside_names, staging_dir)
+from pipeline.train.checkpoint import (INDEX, disk_full_cause, disk_full_message, hash_share, list_checkpoints,
+                                       load_checkpoint, prepare_staging, publish, set_aside_names, staging_dir)
 from pipeline.train.data import SequenceLoader, TokenShards, check_shards, check_windows, validation_batches
 from pipeline.train.materialize import build_for_training
 from pipeline.train.mfu import device_peak_flops, peak_flops_report
@@ -102,8 +103,82 @@ def slowed_first_write(seconds: float):
         yield
     finally:
         torch.save = save
+# ... or fill the disk during the save of a step: once this rank has written BYTES bytes into that step's staging
+# folder, every further write there fails with ENOSPC, from inside torch.save and DCP's writer ("STEP:BYTES[:RANK]",
+# every rank without RANK)
+_fault_disk = os.environ.get("GRT_FAULT_DISK_FULL", "").split(":")
+FAULT_DISK_FULL = (int(_fault_disk[0] or 0), int(_fault_disk[1]) if len(_fault_disk) > 1 else 0,
+                   int(_fault_disk[2]) if len(_fault_disk) > 2 else None)
+
+
+class FillingDisk:
+    """While entered, files opened for writing under ``folder`` take ``budget`` bytes in all, then fail as a full disk
+    does: the bytes that fit are written, then OSError(ENOSPC). Every file write of a save goes through ``open``
+    (``Path.open`` calls ``io.open``), so the error rises where a real one would."""
+
+    def __init__(self, folder: Path, budget: int):
+        self.folder, self.left = str(folder) + os.sep, budget
+
+    def __enter__(self):
+        import builtins
+        import io
+
+        self._open = io.open
+
+        def opener(file, mode="r", *args, **kwargs):
+            f = self._open(file, mode, *args, **kwargs)
+            if (isinstance(file, (str, os.PathLike)) and any(c in mode for c in "wax+")
+                    and os.path.abspath(file).startswith(self.folder)):
+                return _FillingFile(f, self)
+            return f
+        builtins.open = io.open = opener
+        return self
+
+    def __exit__(self, *exc):
+        import builtins
+        import io
+
+        builtins.open = io.open = self._open
+
+
+class _FillingFile:
+    def __init__(self, f, disk: FillingDisk):
+        self._f, self._disk = f, disk
+
+    def write(self, data):
+        n = len(data) if isinstance(data, str) else memoryview(data).nbytes
+        if n > self._disk.left:
+            import errno
+
+            fits, self._disk.left = self._disk.left, 0
+            self._f.write(data[:fits] if isinstance(data, str) else memoryview(data).cast("B")[:fits])
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), self._f.name)
+        self._disk.left -= n
+        return self._f.write(data)
+
+    def __getattr__(self, name):
+        return getattr(self._f, name)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self._f.close()
+
+
 # ... or make the loss of these steps NaN (comma-separated), to exercise the non-finite path
 FAULT_NAN_STEPS = {int(x) for x in os.environ.get("GRT_FAULT_NAN_STEPS", "").split(",") if x.strip()}
+
+
+def attempt(fn, *args) -> tuple:
+    """``(fn(*args), None)``, or ``(None, what it raised)``: a failed part of a save is agreed on by every rank before
+    any acts on it. (torch.distributed.checkpoint raises CheckpointException, a BaseException.)"""
+    try:
+        return fn(*args), None
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as e:  # noqa: BLE001
+        return None, e
 
 
 def mean_over(depths: list, value) -> float | int:
@@ -114,6 +189,10 @@ def mean_over(depths: list, value) -> float | int:
 
 class BadStepsError(FloatingPointError):
     pass
+
+
+class RankLost(ConnectionError):
+    """Another rank of the job died (or its node did): this one cannot go on alone."""
 
 
 # A second SIGINT this long after the first aborts at once; sooner, it is the same Ctrl-C delivered twice (the
@@ -129,6 +208,11 @@ class Trainer:
             torch.set_num_threads(tc.threads)
         torch.manual_seed(cfg.seed)  # the global RNG too (the initial weights take cfg.seed explicitly)
         self.backend = build_backend(tc)
+        try:  # the nodes of one job: the same recipe and code, checked before anything else is built
+            self.backend.check_same_job(cfg.to_dict())
+        except BaseException:
+            self.backend.close(ok=False)
+            raise
         self.device, self.amp_dtype = self.backend.device, self.backend.amp_dtype
         self.peak_flops = device_peak_flops(self.device)
         if self.device.type == "cuda" and self.backend.is_main:
@@ -166,7 +250,8 @@ class Trainer:
         self.tracker_run_id = None
         self._stop_signal, self._stop_time = None, 0.0  # the first SIGTERM/SIGINT received, and when
         self._stopped_together = False  # every rank stopped at the same step boundary (an agreed signal stop)
-        self._pending_save = None  # (future or None, step, start time, PeakRSS or None) of the save in flight
+        self._pending_save = None  # (future or None, step, start time, PeakRSS or None, error) of the save in flight
+        self._filling_disk = None  # the GRT_FAULT_DISK_FULL hook while its save is in flight
         self.tracker = None
         self.run_lock = self._lock_run_folder()
         try:
@@ -277,21 +362,25 @@ class Trainer:
     def save(self) -> Path | None:
         """Every rank takes part; rank 0 publishes the folder atomically once every rank has written its part. With
         ``train.async_checkpoint`` the shards are written in the background and published by :meth:`poll_save`
-        (returns None then)."""
+        (returns None then). A part that fails on any rank (a full disk) is agreed on by all
+        (:meth:`_agree_on_save`)."""
         self.finish_save()  # at most one save in flight
         t0, rss = time.perf_counter(), PeakRSS() if self.backend.is_main else None
+        error = None
         if self.backend.is_main:
-            prepare_staging(self.ckpt_dir, self.step)
-        self.backend.barrier()
+            _, error = attempt(prepare_staging, self.ckpt_dir, self.step)
+        self._agree_on_save(self.step, error)
         tmp = staging_dir(self.ckpt_dir, self.step)
         state = {"step": self.step, "loader": self.loader.state_dict(), "recipe": self.cfg.to_dict(),
                  "mlflow_run_id": self.tracker_run_id, "info": self.info, "skipped_steps": self.skipped_steps,
                  "world_size": self.backend.world_size}
+        if self.step == FAULT_DISK_FULL[0] and FAULT_DISK_FULL[2] in (None, self.backend.rank):
+            self._filling_disk = FillingDisk(tmp, FAULT_DISK_FULL[1]).__enter__()  # left by finish_save
         with slowed_first_write(FAULT_SLOW_SAVE_S if self.backend.is_main else 0):
-            pending = self.backend.save_model_optimizer(self.model, self.optimizer, tmp, state)
+            pending, error = attempt(self.backend.save_model_optimizer, self.model, self.optimizer, tmp, state)
         if self.step == FAULT_KILL_IN_SAVE:
             os.kill(os.getpid(), signal.SIGKILL)
-        self._pending_save = (pending, self.step, t0, rss)
+        self._pending_save = (pending, self.step, t0, rss, error)
         if pending is None:
             return self.finish_save()
         return None
@@ -305,20 +394,24 @@ class Trainer:
         """Wait for the save in flight (if any) on every rank, then publish it."""
         if self._pending_save is None:
             return None
-        pending, step, t0, rss = self._pending_save
+        pending, step, t0, rss, error = self._pending_save
         self._pending_save = None
-        if pending is not None:
-            pending.result()  # raises here if this rank's background write failed
-        # every wait on another rank's file I/O is patient: rank 0 alone writes a full checkpoint, and a multi-GB
-        # write to network storage outlasts collective_timeout_s (and NCCL's watchdog)
-        self.backend.barrier(patient=True)
-        if self.backend.world_size > 1:  # every rank hashes a share of the files for the index (rank 0 the rest)
-            hash_share(staging_dir(self.ckpt_dir, step), self.backend.rank, self.backend.world_size)
-            self.backend.barrier(patient=True)
-        path = self.ckpt_dir / f"step_{step:08d}"
-        if self.backend.is_main:
-            path = publish(self.ckpt_dir, step, self.cfg.to_yaml(), self.cfg.train.keep_checkpoints)
-        self.backend.barrier(patient=True)
+        try:
+            if pending is not None:
+                _, error = attempt(pending.result)  # this rank's background write failed (a full disk: ENOSPC)
+            # every wait on another rank's file I/O is patient: rank 0 alone writes a full checkpoint, and a multi-GB
+            # write to network storage outlasts collective_timeout_s (and NCCL's watchdog)
+            self._agree_on_save(step, error)
+            tmp = staging_dir(self.ckpt_dir, step)
+            if self.backend.world_size > 1:  # every rank hashes a share of the files for the index (rank 0 the rest)
+                self._agree_on_save(step, attempt(hash_share, tmp, self.backend.rank, self.backend.world_size)[1])
+            path = self.ckpt_dir / f"step_{step:08d}"
+            if self.backend.is_main:
+                path, error = attempt(publish, self.ckpt_dir, step, self.cfg.to_yaml(),
+                                      self.cfg.train.keep_checkpoints)
+            self._agree_on_save(step, error)
+        finally:
+            self._end_fault_hooks()
         info = {"checkpoint": step, "format": self.cfg.train.resolved_checkpoint_format(),
                 "checkpoint_s": time.perf_counter() - t0}
         if rss is not None:
@@ -326,6 +419,43 @@ class Trainer:
         for cb in self.callbacks:
             cb.on_checkpoint(self, path, info)
         return path
+
+    def _end_fault_hooks(self) -> None:
+        if self._filling_disk is not None:
+            self._filling_disk.__exit__()
+            self._filling_disk = None
+
+    def _agree_on_save(self, step: int, error: BaseException | None) -> None:
+        """Where the save's barriers stood: every rank learns whether every rank's part of the save of ``step``
+        succeeded (one small all-reduce on the patient group). A full disk on any rank stops them all together
+        (:meth:`_stop_disk_full`); another failure is raised where it happened and named on the other ranks."""
+        code = 0 if error is None else 2 if disk_full_cause(error) is not None else 1
+        worst = self.backend.reduce_max(float(code))
+        if worst == 0:
+            return
+        if worst == 2:
+            raise self._stop_disk_full(step, disk_full_cause(error))
+        if error is not None:
+            raise error
+        raise OSError(f"another rank failed to save the checkpoint of step {step} (see its error); the checkpoints "
+                      f"before it in {self.ckpt_dir} are intact")
+
+    def _stop_disk_full(self, step: int, cause: OSError | None) -> DiskFull:
+        """Every rank, once all have stopped writing the save of ``step``: rank 0 removes that save's staging folder
+        (it may hold most of what the disk had left) and writes stopped.json; the newest published checkpoint stays."""
+        if self.backend.is_main:
+            shutil.rmtree(staging_dir(self.ckpt_dir, step), ignore_errors=True)
+        published = list_checkpoints(self.ckpt_dir)
+        newest = published[-1] if published else None
+        message = f"error: {disk_full_message(self.ckpt_dir, step, cause, self.run_dir.parent)}"
+        if self.backend.is_main:
+            with contextlib.suppress(OSError):  # a few hundred bytes; the message says all if even those do not fit
+                mark_stopped(self.run_dir, "a full disk", int(newest.name.split("_")[1]) if newest else 0,
+                             self.cfg.train.max_steps, newest if newest else Path("none"))
+            # said now, not by the CLI at exit: once the other ranks have exited, torchrun SIGTERMs this one
+            print(message, file=sys.stderr, flush=True)
+        self._stopped_together = True  # every rank stops here, at the same agreement
+        return DiskFull(step, newest, message, report=False)
 
     # ------------------------------------------------------------------------------------------------ loop
     def autocast(self):
@@ -529,6 +659,11 @@ class Trainer:
                 print(f"\naborted by a second Ctrl-C at step {self.step}, without saving; the newest checkpoint is "
                       f"{last[-1] if last else 'none'}", file=sys.stderr, flush=True)
             raise
+        except RuntimeError as e:  # a failed collective (gloo, NCCL, the store): is a rank gone?
+            lost = self.backend.lost_ranks()
+            if lost is None:
+                raise
+            raise self._rank_lost(lost) from e
         finally:
             signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C now would cut the clean-up and hide the report
             try:
@@ -537,14 +672,28 @@ class Trainer:
                 for s, h in handlers.items():
                     signal.signal(s, h)
 
+    def _rank_lost(self, lost: tuple[str, list[int]]) -> RankLost:
+        """The one line (and stopped.json) of a rank that outlived another: who stopped answering, and what the
+        relaunch resumes from (the newest published checkpoint; a save in flight was never published)."""
+        published = list_checkpoints(self.ckpt_dir)
+        newest = published[-1] if published else None
+        step = int(newest.name.split("_")[1]) if newest else 0
+        lost, gone = lost
+        if self.backend.rank == min(set(range(self.backend.world_size)) - set(gone)):  # the first survivor
+            mark_stopped(self.run_dir, f"the loss of a rank ({lost})", step, self.cfg.train.max_steps,
+                         newest if newest else Path("none"))
+        resume = (f"last intact checkpoint: step {step} at {newest}" if newest else
+                  "no checkpoint was written yet: a relaunch starts from step 0")
+        return RankLost(f"{lost} during step {self.step + 1}, so rank {self.backend.rank} stops too; {resume}. Bring "
+                        f"the lost node back (or replace it) and run the same launch on every node: it resumes from "
+                        f"there ({self.run_dir / STOPPED} says so)")
+
     def _clean_up(self, status: str) -> None:
         if self._pending_save is not None and self._pending_save[0] is not None:
             # an async save still writing when training failed: let its thread finish before the process groups
             # it uses are destroyed (it stays unpublished: the other ranks may not have reached it)
-            try:
-                self._pending_save[0].result()
-            except Exception:  # noqa: BLE001 — the error that brought us here is the one to report
-                pass
+            attempt(self._pending_save[0].result)  # its error: the one that brought us here is the one to report
+        self._end_fault_hooks()
         for cb in self.callbacks:
             cb.on_train_end(self, status)
         if self.tracker is not None:

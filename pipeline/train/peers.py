@@ -1,0 +1,199 @@
+"""What the ranks of one job know about each other: at start-up, that every node runs the same recipe and the same
+code (:func:`compare_job`); while training, a heartbeat per rank in the launcher's store, so that when a collective
+fails the survivors can name the rank that stopped answering (:class:`Heartbeat`)."""
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import os
+import re
+import socket
+import threading
+import time
+from pathlib import Path
+
+# Recipe keys that may differ between the nodes of one job, so they are not compared. Everything else must be equal:
+# the model, the optimizer, the schedule, the batch, the seed and the run name decide what every rank computes.
+PER_NODE_KEYS = (
+    "out_dir",                       # where this node mounts the run folder (name= below it is compared)
+    "data.dataset_dir",              # a node-local copy of the tokenized dataset (its tokenizer is checked per rank)
+    "data.mixture[].dataset_dir",    # the same, per mixture entry (the weights are compared)
+    "data.sources",                  # where `grt tokenize` read the raw text: training reads the tokenized dataset
+    "data.validation_sources",
+    "data.workers",                  # tokenizer processes: a per-machine choice, the output does not depend on it
+    "train.threads",                 # CPU threads per rank: nodes may have different CPU counts
+    "tracking.uri",                  # only rank 0 logs; a sqlite path may be spelled differently per node
+    "eval.task_data_dir",            # a path, read by `grt eval` only
+)
+CODE_DIRS = ("pipeline", "ops")  # the training code whose source every node must share
+SHOWN_KEYS = 8  # differing keys named in the one-line error (the rest counted)
+
+
+class JobMismatch(ValueError):
+    """The nodes of one job were started with different recipes or code."""
+
+
+def flat(d, prefix: str = "") -> dict:
+    """``{"train.lr": 0.001, "data.mixture[0].weight": 1.0, ...}``: nested dicts and lists as dotted keys."""
+    items = d.items() if isinstance(d, dict) else ((f"[{i}]", v) for i, v in enumerate(d))
+    out = {}
+    for k, v in items:
+        key = f"{prefix}{k}" if k.startswith("[") else (f"{prefix}.{k}" if prefix else k)
+        if isinstance(v, (dict, list)) and v:
+            out.update(flat(v, key))
+        else:
+            out[key] = v
+    return out
+
+
+def compared_recipe(recipe: dict) -> dict:
+    """The resolved recipe's keys that must be the same on every node (PER_NODE_KEYS, and all below them, left
+    out; ``[]`` stands for any list index)."""
+    def per_node(key: str) -> bool:
+        key = re.sub(r"\[\d+\]", "[]", key)
+        return any(key == pat or key.startswith((pat + ".", pat + "[")) for pat in PER_NODE_KEYS)
+
+    return {k: v for k, v in flat(recipe).items() if not per_node(k)}
+
+
+def code_digest(root: Path | None = None) -> str:
+    """sha256 of the training code's Python sources (CODE_DIRS, paths and bytes): the same checkout, or the same
+    installed package, on every node. Not ``git describe``: an installed copy has no .git, and a checkout with
+    uncommitted edits describes as the same commit."""
+    root = root or Path(__file__).resolve().parents[2]
+    h = hashlib.sha256()
+    for name in CODE_DIRS:
+        for path in sorted((root / name).rglob("*.py")):
+            if "__pycache__" not in path.parts:
+                h.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
+def job_identity(recipe: dict) -> dict:
+    """What this rank compares with the others: the recipe's compared keys, the code, torch's version."""
+    import torch
+
+    return {**compared_recipe(recipe), "code (sha256 of pipeline/, ops/)": code_digest()[:16],
+            "torch version": torch.__version__}
+
+
+def digest(identity: dict) -> str:
+    return hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def this_node() -> tuple[int | None, str]:
+    """(node rank if the launcher says it, host name). torchrun: GROUP_RANK; DeepSpeed: CROSS_RANK; SLURM: NODEID."""
+    for var in ("GROUP_RANK", "CROSS_RANK", "NODE_RANK", "SLURM_NODEID"):
+        value = os.environ.get(var, "")
+        if value.isdigit():
+            return int(value), socket.gethostname()
+    return None, socket.gethostname()
+
+
+def rank_list(ranks: list[int]) -> str:
+    """``0-3, 6``: runs of consecutive ranks."""
+    runs: list[list[int]] = []
+    for r in sorted(ranks):
+        if runs and r == runs[-1][1] + 1:
+            runs[-1][1] = r
+        else:
+            runs.append([r, r])
+    return ", ".join(f"{a}-{b}" if b > a else f"{a}" for a, b in runs)
+
+
+def where(rank: int, nodes: list[tuple[int | None, str]]) -> str:
+    """``node 1, host gpu7`` (or ``host gpu7`` where the launcher gave no node rank) of ``rank``."""
+    node, host = nodes[rank]
+    return f"node {node}, host {host}" if node is not None else f"host {host}"
+
+
+def mismatch_report(identities: list[dict], nodes: list[tuple[int | None, str]]) -> str:
+    """One line: each differing key and which node's ranks hold which value, e.g.
+    ``train.lr: node 0 (ranks 0-1) = 0.001, node 1 (ranks 2-3) = 0.05``."""
+    keys = sorted({k for ident in identities for k in ident}
+                  - {k for k in identities[0] if all(k in i and i[k] == identities[0][k] for i in identities)})
+    parts = []
+    for key in keys[:SHOWN_KEYS]:
+        groups: dict[tuple[str, str], list[int]] = {}
+        for rank, ident in enumerate(identities):
+            node, host = nodes[rank]
+            label = f"node {node}" if node is not None else f"host {host}"
+            value = json.dumps(ident[key], default=str) if key in ident else "(absent)"
+            groups.setdefault((label, value), []).append(rank)
+        held = ", ".join(f"{label} (rank{'s' if len(r) > 1 else ''} {rank_list(r)}) = {value}"
+                         for (label, value), r in groups.items())
+        parts.append(f"{key}: {held}")
+    more = f"; and {len(keys) - SHOWN_KEYS} more key(s)" if len(keys) > SHOWN_KEYS else ""
+    return "; ".join(parts) + more
+
+
+def compare_job(recipe: dict, rank: int, world_size: int, group) -> list[tuple[int | None, str]]:
+    """Every rank: gather each rank's (node, host, digest of recipe + code); on any difference gather the full
+    identities and raise :class:`JobMismatch` on every rank (the same data everywhere: the same decision). Returns
+    the ranks' (node, host), for naming a rank later."""
+    import torch.distributed as dist
+
+    ident = job_identity(recipe)
+    mine = (*this_node(), digest(ident))
+    everyone: list = [None] * world_size
+    dist.all_gather_object(everyone, mine, group=group)
+    nodes = [(n, h) for n, h, _ in everyone]
+    if len({d for _, _, d in everyone}) == 1:
+        return nodes
+    identities: list = [None] * world_size
+    dist.all_gather_object(identities, ident, group=group)
+    raise JobMismatch(f"the nodes of this job were started differently, so none of them trains: "
+                      f"{mismatch_report(identities, nodes)}. Start every node with the same recipe, overrides and "
+                      f"code (keys that may differ per node: {', '.join(PER_NODE_KEYS)})")
+
+
+class Heartbeat:
+    """A counter per rank in the launcher's TCP store (torchrun's agent, or rank 0's store under other launchers),
+    raised every ``interval`` seconds by a daemon thread. It runs while the main thread waits in a collective, so
+    after a collective fails, the ranks whose counters stand still are the ones that died (or whose node did); a
+    store that cannot be reached means its host, node 0, is gone."""
+
+    def __init__(self, rank: int, world_size: int, interval: float = 1.0):
+        import torch.distributed as dist
+
+        self.rank, self.world_size, self.interval = rank, world_size, interval
+        self.address = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+        # a connection of its own: the training's store client is never shared with this thread
+        client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                               timeout=datetime.timedelta(seconds=10), wait_for_workers=False)
+        self.store = dist.PrefixStore("grt/heartbeat/", client)
+        self.store.add(str(rank), 1)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._beat, name="grt-heartbeat", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def start(cls, rank: int, world_size: int):
+        """A heartbeat where the process group was created from MASTER_ADDR/MASTER_PORT; None elsewhere."""
+        if "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
+            return None
+        try:
+            return cls(rank, world_size)
+        except Exception:  # noqa: BLE001 — no heartbeat costs only the naming of a dead rank, never the run
+            return None
+
+    def _beat(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                self.store.add(str(self.rank), 1)
+            except Exception:  # noqa: BLE001 — the store's host is gone: silent_ranks says so
+                return
+
+    def silent_ranks(self) -> list[int] | None:
+        """The other ranks whose counter did not move over three intervals; None: the store cannot be reached."""
+        try:
+            before = [self.store.add(str(r), 0) for r in range(self.world_size)]
+            time.sleep(3 * self.interval)
+            after = [self.store.add(str(r), 0) for r in range(self.world_size)]
+        except Exception:  # noqa: BLE001
+            return None
+        return [r for r in range(self.world_size) if r != self.rank and after[r] == before[r]]
+
+    def stop(self) -> None:
+        self._stop.set()
