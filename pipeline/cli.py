@@ -179,7 +179,7 @@ def cmd_fit_phi(args) -> int:
 
 def cmd_compare(args) -> int:
     from pipeline.eval.compare import compare
-    from pipeline.tracking import resolve_uri
+    from pipeline.tracking import is_http, resolve_uri
 
     tags = parse_tags(args.tag)
     experiments = args.experiment or [TrackingConfig.experiment]
@@ -188,8 +188,9 @@ def cmd_compare(args) -> int:
     print(text)
     if args.format in ("table", "markdown"):
         print(f"\nearly-exit overlay (loss vs r and vs inference FLOPs): {plot}")
-        print(f"MLflow UI: `.venv/bin/mlflow ui --backend-store-uri {resolve_uri(tracking.uri)}` then open "
-              f"http://127.0.0.1:5000 (experiment(s) {', '.join(experiments)})")
+        uri, where = resolve_uri(tracking.uri), f"experiment(s) {', '.join(experiments)}"
+        print(f"MLflow UI: open {uri} ({where})" if is_http(uri) else  # a server serves its own UI
+              f"MLflow UI: `.venv/bin/mlflow ui --backend-store-uri {uri}` then open http://127.0.0.1:5000 ({where})")
     return 0
 
 
@@ -263,7 +264,8 @@ def build_parser() -> argparse.ArgumentParser:
                                                 "eval.tasks=[piqa,arc_easy] eval.task_depths=[2,4,8]")
     s.set_defaults(fn=cmd_eval)
     s = sub.add_parser("compare", help="early-exit and downstream tables + early-exit overlays of evaluated runs")
-    add_run_selection(s, "only runs with this MLflow tag (repeatable; set them with tracking.tags in the recipe)")
+    add_run_selection(s, "only runs with this MLflow tag (repeatable; set them with tracking.tags in the recipe; a "
+                         "run folder is held to its recipe.yaml's)")
     s.add_argument("--format", default="table", choices=["table", "markdown", "csv", "json"])
     s.add_argument("--out", default="runs/compare", help="folder for the overlay plot and the table file")
     s.set_defaults(fn=cmd_compare)

@@ -9,6 +9,7 @@ The client talks to the store directly (``MlflowClient``), so there is no global
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -99,8 +100,9 @@ def server_answers(uri: str, timeout: float = PROBE_TIMEOUT_S) -> str | None:
         return str(getattr(e, "reason", e))
 
 
-def check_server(uri: str) -> None:
-    """Raise a TrackingUnavailableError that says what to do when an http(s) tracking URI has no server."""
+def check_server(uri: str, fix: str | None = None) -> None:
+    """Raise a TrackingUnavailableError that says what to do when an http(s) tracking URI has no server (``fix``:
+    what to do instead of starting it; the trainer's by default)."""
     if not is_http(uri) or not (why := server_answers(uri)):
         return
     if "Invalid Host header" in why:
@@ -110,7 +112,24 @@ def check_server(uri: str) -> None:
             f"localhost and private IP addresses by default: restart it with --allowed-hosts '{host},{host}:*' "
             f"(or '*'), or write its IP address in tracking.uri")
     raise TrackingUnavailableError(f"tracking.uri={uri}: no MLflow server answers ({why}). Start it, or "
-                                   f"{SERVER_HINT}")
+                                   f"{fix or SERVER_HINT}")
+
+
+@contextlib.contextmanager
+def reading_store(uri: str, fix: str):
+    """An MlflowClient on ``uri`` for a command that only reads runs (`grt compare`, `grt paper-table`), bounded as the
+    trainer's and `grt track sync`'s are: MLflow's HTTP retries cut to seconds (HTTP_BOUNDS), a server that does
+    not answer refused at once, and a store error inside the block one TrackingUnavailableError naming ``uri`` and
+    ``fix``, not minutes of retries ending in chained tracebacks."""
+    bound_http_retries()
+    check_server(uri, fix)
+    from mlflow.exceptions import MlflowException
+    from mlflow.tracking import MlflowClient
+
+    try:
+        yield MlflowClient(tracking_uri=uri)
+    except MlflowException as e:
+        raise TrackingUnavailableError(f"reading the MLflow store at {uri} failed ({_short(e)}); {fix}") from e
 
 
 # ------------------------------------------------------------------------------------------- run context

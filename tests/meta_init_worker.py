@@ -7,7 +7,10 @@ for each backend named on the command line and write, per rank, OUT/<backend>-ra
     loss    the eval-mode loss on a fixed batch, run through the backend's wrapped model (FSDP's lazy init first)
     rss_mb  how much this process's peak RSS grew while the model was built (VmHWM, reset before the build)
 
-Usage: python tests/meta_init_worker.py OUT MODEL_JSON SEED BACKEND... [--measure-only]
+With ``--rss-model=JSON`` it then builds that (larger) model for fsdp once more, measuring only, and writes
+OUT/fsdp-rss-rank<r>.pt: the README's claim that no rank holds the whole model at start-up, at a size that shows.
+
+Usage: python tests/meta_init_worker.py OUT MODEL_JSON SEED BACKEND... [--measure-only] [--rss-model=JSON]
 """
 from __future__ import annotations
 
@@ -51,10 +54,16 @@ def full_state(model, backend_name: str) -> dict:
     return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
 
 
-def main(out: Path, model_json: str, seed: int, names: list[str], measure_only: bool) -> None:
+def model_config(model_json: str):
     model_dict = json.loads(model_json)
-    model_cfg = model_class(model_dict["type"]).config_class(**model_dict)
-    for name in names:
+    return model_class(model_dict["type"]).config_class(**model_dict)
+
+
+def main(out: Path, model_json: str, seed: int, names: list[str], measure_only: bool, rss_model: str | None) -> None:
+    jobs = [(name, name, model_config(model_json), measure_only) for name in names]  # (file tag, backend, ...)
+    if rss_model:
+        jobs.append(("fsdp-rss", "fsdp", model_config(rss_model), True))
+    for tag, name, model_cfg, measure_only in jobs:
         world = int(os.environ.get("WORLD_SIZE", 1))
         tc = TrainConfig(device="cpu", dtype="float32", micro_batch_size=2, grad_accum_steps=world, **BACKENDS[name])
         cfg = RunConfig(seed=seed, model=model_cfg, train=tc)
@@ -76,12 +85,13 @@ def main(out: Path, model_json: str, seed: int, names: list[str], measure_only: 
             state = full_state(raw, name)
             if backend.is_main:
                 result["state"] = state
-        torch.save(result, out / f"{name}-rank{backend.rank}.pt")
+        torch.save(result, out / f"{tag}-rank{backend.rank}.pt")
         del raw, model
         backend.barrier()
     backend.close()
 
 
 if __name__ == "__main__":
-    args = [a for a in sys.argv[1:] if a != "--measure-only"]
-    main(Path(args[0]), args[1], int(args[2]), args[3:], "--measure-only" in sys.argv)
+    rss = [a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--rss-model=")]
+    args = [a for a in sys.argv[1:] if a != "--measure-only" and not a.startswith("--rss-model=")]
+    main(Path(args[0]), args[1], int(args[2]), args[3:], "--measure-only" in sys.argv, rss[0] if rss else None)

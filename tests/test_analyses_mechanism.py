@@ -19,6 +19,8 @@ from pipeline.model import build_model
 from pipeline.model.grt import Gate, RecurrentStep
 from pipeline.model.layers import CausalSelfAttention
 
+from plot_check import assert_drawn, assert_png_of, capture_figures, texts
+
 pytestmark = pytest.mark.usefixtures("one_thread")
 VOCAB = 64
 
@@ -299,13 +301,32 @@ def test_next_token_traces_on_a_dense_model_read_its_layers():
 
 # ------------------------------------------------------------------------------------------------------ plots
 @torch.no_grad()
-def test_plots_write_pngs(tmp_path):
+def test_plots_draw_their_data(tmp_path, monkeypatch):
+    """Each figure drew, value for value, the series it was given (read back from the figure's artists), and its
+    PNG decodes at the figure's size: a plot that draws nothing, or the wrong series, fails."""
+    figs = capture_figures(monkeypatch)
     model = tiny_grt()
     data = batches(n=1)
-    paths = [plot_gate_attribution(gate_attribution(model, data, 3, "cpu"), tmp_path / "gate.png"),
-             plot_projection(projection_analysis(model.recur), tmp_path / "proj.png"),
-             plot_projection(projection_analysis(tiny_grt(reinject=False, gate="none").recur), tmp_path / "bare.png"),
-             plot_attention(attention_statistics(model, data, 3, "cpu"), tmp_path / "attn.png"),
-             plot_traces(next_token_traces(model, ["ab", "xyz"], 3, encode, str), tmp_path / "traces.png")]
-    for p in paths:
-        assert p.exists() and p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and p.stat().st_size > 5000
+    gate = gate_attribution(model, data, 3, "cpu")
+    proj = projection_analysis(model.recur)
+    bare = projection_analysis(tiny_grt(reinject=False, gate="none").recur)
+    attn = attention_statistics(model, data, 3, "cpu")
+    traces = next_token_traces(model, ["ab", "xyz"], 3, encode, str)
+    paths = [plot_gate_attribution(gate, tmp_path / "gate.png"), plot_projection(proj, tmp_path / "proj.png"),
+             plot_projection(bare, tmp_path / "bare.png"), plot_attention(attn, tmp_path / "attn.png"),
+             plot_traces(traces, tmp_path / "traces.png")]
+    assert len(figs) == len(paths)
+    for fig, p in zip(figs, paths):
+        assert_png_of(fig, p, dpi=110)
+    sx = [math.nan if v is None else v for v in gate["state_var_frac"]]
+    assert_drawn(figs[0], sx, [1 - v for v in sx], gate["x_dominance"], gate["sign_agreement"],
+                 *([gate["spectra"][k] for k in ("W1_x", "W1_a", "fc2")] if gate.get("spectra") else []),
+                 what="gate attribution")
+    assert_drawn(figs[1], *[proj["proj"][h][k] for h in ("W_x", "W_h") for k in ("singular_values",
+                                                                                  "cumulative_energy")],
+                 list(proj["frobenius"].values()), what="projection")
+    assert bare["absent"] and all(msg in texts(figs[2]) for msg in bare["absent"].values())  # said, not drawn
+    ent = np.array(attn["entropy"]).reshape(len(attn["step"]), -1)
+    assert_drawn(figs[3], ent, attn["mean_entropy"], attn["mean_diag_mass"], list(attn["class_counts"].values()),
+                 what="attention")
+    assert_drawn(figs[4], *[[c["prob"] for c in tr["candidates"][:6]] for tr in traces], what="traces")

@@ -15,6 +15,8 @@ from pipeline.eval.representation import (SuccessiveStates, TokenGateMean, Token
 from pipeline.eval.representation_plots import plot_cka, plot_representation
 from pipeline.model import build_model
 
+from plot_check import assert_drawn, assert_png_of, capture_figures
+
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
@@ -225,7 +227,10 @@ def test_relative_improvement_on_a_hand_table():
 
 
 # ------------------------------------------------------------------------------------------------------- plots
-def test_plots_write_png_files(tmp_path):
+def test_plots_draw_their_data(tmp_path, monkeypatch):
+    """Each figure drew, value for value, the matrices and series it was given (read back from the figure's
+    artists), and its PNG decodes at the figure's size: a plot that draws nothing, or the wrong data, fails."""
+    figs = capture_figures(monkeypatch)
     gen = torch.Generator().manual_seed(5)
     states = [torch.randn(30, 8, generator=gen) for _ in range(3)]
     within = cka_matrix(states)
@@ -243,6 +248,16 @@ def test_plots_write_png_files(tmp_path):
            "gate_difficulty": gate_difficulty_by_step(gates, torch.rand(30, generator=gen))}
     paths = [plot_cka(within, cross, tmp_path / "cka.png"), plot_cka(within, None, tmp_path / "cka_within.png"),
              plot_representation(res, tmp_path / "repr.png")]
-    for p in paths:
-        data = p.read_bytes()
-        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
+    assert len(figs) == len(paths)
+    for fig, p in zip(figs, paths):
+        assert_png_of(fig, p, dpi=100)
+    assert_drawn(figs[0], within["cka"], cross["cka"], what="cka")
+    stars = [line for ax in figs[0].axes for line in ax.lines if line.get_marker() == "*"]
+    best = [(i, b) for i, b in enumerate(cross["best_layer"]) if b is not None]
+    assert len(stars) == 1 and list(stars[0].get_xdata()) == [b for _, b in best] and best
+    assert_drawn(figs[1], within["cka"], what="cka within")
+    rel = res["relative_improvement"]
+    assert_drawn(figs[2], res["similarity"]["cosine"], res["effective_rank"]["effective_rank_fraction"],
+                 [100 * v for v in rel["relative_improvement"]],
+                 [100 * v for v in rel["bands"]["bytes"]["relative_improvement"]],
+                 res["gate_difficulty"]["all_steps"]["bins"]["gate_mean"], what="representation")

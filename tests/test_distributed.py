@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from conftest import free_port, launched_recipe, printed_steps, step_losses, step_values, subprocess_env
+import resume_check
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS, CKPT_EVERY, KILL_AFTER = 20, 8, 11  # kill once step 11 is logged: 3 steps past the checkpoint at 8
@@ -76,11 +77,9 @@ def where(backend: str) -> str:
 
 
 def assert_resumed(p: subprocess.CompletedProcess, step: int, backend: str, steps: int = STEPS) -> None:
-    """The run started from the checkpoint of ``step`` (its start-up line says so) and trained exactly the steps
-    after it, up to ``steps``: a run that silently started over trains 1..steps and, being deterministic, logs the
-    same losses."""
-    assert f"resumed at step {step} on {where(backend)} " in p.stdout, p.stdout[-3000:]
-    assert printed_steps(p.stdout) == list(range(step + 1, steps + 1)), p.stdout[-3000:]
+    """The run started from the checkpoint of ``step`` on ``backend`` and trained exactly the steps after it, up to
+    ``steps`` (resume_check.assert_resumed; the callers compare the losses)."""
+    resume_check.assert_resumed(p.stdout, step, steps, on=where(backend))
 
 
 @pytest.fixture(scope="module")

@@ -23,6 +23,7 @@ from pipeline.tokenize.bpe import gpt2_encoding
 
 from conftest import SHARED_DATA, tiny_recipe
 from test_model import block, ln, linear
+from plot_check import assert_png_of, capture_figures
 
 ENC = gpt2_encoding()
 PAIRS = [("The gate decides how much", " of the state"), ("A", " b c d e f"), ("", "Hello world"),
@@ -436,8 +437,10 @@ def test_grt_eval_and_lm_eval_shell_give_the_same_numbers(tmp_path, corpus):
     assert collect([], cfg.tracking, tags={"study": "other"}) == []
 
 
-def test_compare_formats_and_downstream_table(tmp_path):
+def test_compare_formats_and_downstream_table(tmp_path, monkeypatch):
     from pipeline.cli import main
+
+    figs = capture_figures(monkeypatch)
 
     def run(name, val, depths):
         d = tmp_path / name / "eval"
@@ -468,7 +471,15 @@ def test_compare_formats_and_downstream_table(tmp_path):
         else:
             assert "| piqa | acc_norm | 1,838 | 0.5600 ± " not in text  # stderr is of acc, not acc_norm
             assert "| piqa | acc_norm | 1,838 | 0.5600 | 0.6100 | 0.6200 |" in text
-    assert (tmp_path / "cmp" / "early_exit_overlay.png").stat().st_size > 10_000
+    # the overlay drew each run's loss per exit (left) and per inference GFLOPs (right), not only axes and a legend
+    overlay = figs[-1]
+    assert_png_of(overlay, tmp_path / "cmp" / "early_exit_overlay.png", dpi=110)
+    by_exit, by_flops = overlay.axes
+    for ax, xs in ((by_exit, [1, 2]), (by_flops, [1e-3, 2e-3])):
+        curves = {line.get_label(): [*line.get_xdata(), *line.get_ydata()] for line in ax.lines
+                  if not line.get_label().startswith("_")}  # the runs' curves, not the dotted trained-R marks
+        assert curves == {"runA (1+1x4+1)": pytest.approx([*xs, 4.6, 4.5]),
+                          "runB (1+1x4+1)": pytest.approx([*xs, 4.5, 4.4])}, curves
 
 
 def test_adapter_refuses_a_depth_past_the_last_recursion():

@@ -340,17 +340,34 @@ def test_gpt_without_biases_exports_with_zero_biases(tmp_path):
         torch.testing.assert_close(hf(ids).logits, model(ids)[0], atol=1e-5, rtol=0)
 
 
-def test_a_failed_export_leaves_no_folder_behind(tmp_path, monkeypatch):
-    import pipeline.export.hf as hf
+@pytest.mark.parametrize("section", [GRT, GPT], ids=["grt", "gpt"])
+def test_a_corrupted_weights_file_is_refused_and_leaves_no_folder_behind(tmp_path, monkeypatch, capsys, section):
+    """One tensor of the written model.safetensors is perturbed on disk after it is written; the real load-back
+    check of `grt export` must refuse it in one line, exit non-zero, and publish nothing."""
+    import safetensors.torch as st
 
-    def drifted(*args):
-        raise ValueError("logits 0.5 away")
+    real_save = st.save_file
+    corrupted = []
 
-    _, cfg = save_run(tmp_path, {**GPT, "vocab_size": 96}, "full", seed=7)
-    monkeypatch.setattr(hf, "verify", drifted)
-    with pytest.raises(ValueError, match="0.5 away"):
-        hf.export_hf(cfg.run_dir, tmp_path / "hf")
-    assert not (tmp_path / "hf").exists() and not (tmp_path / ".hf.tmp").exists()
+    def save_then_corrupt(tensors, filename, metadata=None):
+        real_save(tensors, filename, metadata=metadata)
+        on_disk = st.load_file(filename)
+        name = next(k for k in sorted(on_disk) if k.endswith("mlp.c_fc.weight"))
+        on_disk[name] = on_disk[name] + 0.05  # a damaged tensor, as a flipped block of bytes would give
+        real_save(on_disk, filename, metadata=metadata)
+        corrupted.append(name)
+
+    # GPT-2's vocabulary: with a smaller one, transformers warns on stderr that EOT 50256 is out of range
+    _, cfg = save_run(tmp_path / "run", section, "full", seed=7)
+    monkeypatch.setattr(st, "save_file", save_then_corrupt)
+    from pipeline.cli import main
+
+    capsys.readouterr()
+    code = main(["export", str(cfg.run_dir), "--format", "hf", "--out", str(tmp_path / "hf")])
+    err = capsys.readouterr().err.strip()
+    assert corrupted and code != 0
+    assert len(err.splitlines()) == 1 and err.startswith("error: ") and "logits" in err and "away" in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]  # neither hf/ nor its staging .hf.tmp/
 
 
 def test_tokenizer_equals_the_pipeline_bpe(exported):

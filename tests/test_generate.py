@@ -484,3 +484,25 @@ def test_cli_errors_name_cause_and_fix(runs, capsys, tmp_path):
     for argv, fix in cases:
         rc, out, err = grt_generate(capsys, *argv)
         assert rc == 2 and out == "" and fix in err, (argv, err)
+
+
+def test_cli_batch_file_not_utf8_names_the_file_and_line(runs, capsys, tmp_path):
+    """One line, no traceback, non-zero: a --batch-file with a byte that is not UTF-8 on its third line names the
+    file and line 3 (counted here by hand)."""
+    run = runs["grt"][0]
+    bad = tmp_path / "prompts.txt"
+    bad.write_bytes(b"first prompt\n\nthird line \xff here\nfourth\n")  # line 3 holds 0xff
+    rc = main(["generate", str(run), "--batch-file", str(bad), "--device", "cpu"])
+    cap = capsys.readouterr()
+    assert rc != 0 and cap.out == "" and "Traceback" not in cap.err and cap.err.count("\n") == 1, cap.err
+    assert str(bad) in cap.err and "line 3 " in cap.err, cap.err
+
+
+def test_cli_device_cuda_without_cuda_says_pass_device_cpu(runs, capsys, monkeypatch):
+    """One line, no traceback, non-zero: --device cuda where torch sees no CUDA says so and names --device cpu, not
+    the recipe key train.device."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    rc = main(["generate", str(runs["grt"][0]), PROMPT, "--device", "cuda", "--max-new-tokens", "2"])
+    cap = capsys.readouterr()
+    assert rc != 0 and cap.out == "" and "Traceback" not in cap.err and cap.err.count("\n") == 1, cap.err
+    assert "CUDA is not available" in cap.err and "--device cpu" in cap.err and "train.device" not in cap.err, cap.err

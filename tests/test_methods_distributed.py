@@ -1,8 +1,9 @@
 """The paper's four recurrent competitors (poisson, mor, rrt, ouro) under every backend, launched as a user would:
 
 - each trains 10 steps in one process, and on 2 ranks under ddp, fsdp and DeepSpeed ZeRO-3; every 2-rank run is
-  SIGKILLed after step 7 (checkpoint at 5) and started again, and its per-step losses — steps 1-7 from the killed run,
-  6-10 from the resumed one — equal the one-process run's (rel 1e-5: only the reduction order differs, fp32);
+  SIGKILLed after step 7 (checkpoint at 5) and started again, resumes at step 5 (resume_check), and its per-step
+  losses — steps 1-5 from the killed run, 6-10 from the resumed one — equal the one-process run's (rel 1e-5: only
+  the reduction order differs, fp32);
 - Poisson's depth sampler and truncated backprop survive a SIGKILL exactly (one process: bit-equal losses);
 - `grt eval` reads the last checkpoint of every backend (full, DCP sharded, DeepSpeed) and gives the same validation
   loss as the one-process run's.
@@ -16,7 +17,8 @@ import subprocess
 import pytest
 
 from conftest import model_recipes, step_losses, subprocess_env
-from test_distributed import REPO, command, run
+from resume_check import assert_resumed
+from test_distributed import REPO, command, run, where
 
 pytestmark = pytest.mark.slow
 
@@ -41,32 +43,36 @@ def recipes(tmp_path_factory):
                                                  checkpoint_interval=CKPT_EVERY, eval_interval=5), {"mor": 3})
 
 
-def killed_then_resumed(backend: str, recipe, name: str) -> None:
+def killed_then_resumed(backend: str, recipe, name: str) -> str:
+    """The resumed run's console output."""
     p = subprocess.run(command(backend, recipe, name), cwd=REPO, capture_output=True, text=True, timeout=600,
                        env=subprocess_env(GRT_FAULT_KILL_AT_STEP=str(KILL_AFTER)))
     assert p.returncode != 0, p.stdout[-2000:] + p.stderr[-2000:]
-    run(backend, recipe, name)  # starts again from the checkpoint at step 5
+    return run(backend, recipe, name).stdout  # starts again from the checkpoint at step 5
 
 
 @pytest.fixture(scope="module")
 def trained(recipes):
-    """{(method, backend): per-step losses}; the 2-rank runs are killed once and resumed."""
+    """{(method, backend): (per-step losses, the resumed run's console output or None)}; the 2-rank runs are killed
+    once and resumed."""
     tmp, paths = recipes
-    losses = {}
+    out = {}
     for method, recipe in paths.items():
         run("single", recipe, f"{method}-single")
-        losses[(method, "single")] = step_losses(tmp / "runs" / f"{method}-single")
+        out[(method, "single")] = step_losses(tmp / "runs" / f"{method}-single"), None
         for backend in SHARDED:
             name = f"{method}-{backend}"
-            killed_then_resumed(backend, recipe, name)
-            losses[(method, backend)] = step_losses(tmp / "runs" / name)
-    return losses
+            stdout = killed_then_resumed(backend, recipe, name)
+            out[(method, backend)] = step_losses(tmp / "runs" / name), stdout
+    return out
 
 
 @pytest.mark.parametrize("backend", SHARDED)
 @pytest.mark.parametrize("method", list(METHODS))
-def test_killed_and_resumed_two_rank_runs_equal_one_process(trained, method, backend):
-    single, other = trained[(method, "single")], trained[(method, backend)]
+def test_killed_and_resumed_two_rank_runs_equal_one_process(recipes, trained, method, backend):
+    (single, _), (other, resumed_stdout) = trained[(method, "single")], trained[(method, backend)]
+    assert_resumed(resumed_stdout, CKPT_EVERY, STEPS, recipes[0] / "runs" / f"{method}-{backend}", single, rel=1e-5,
+                   on=where(backend))
     assert sorted(single) == sorted(other) == list(range(1, STEPS + 1))
     assert all(math.isfinite(v) for v in single.values())
     for step in range(1, STEPS + 1):
@@ -75,10 +81,9 @@ def test_killed_and_resumed_two_rank_runs_equal_one_process(trained, method, bac
 
 def test_poisson_depths_and_truncated_backprop_resume_exactly_after_sigkill(recipes, trained):
     tmp, paths = recipes
-    killed_then_resumed("single", paths["poisson"], "poisson-killed")
-    resumed, full = step_losses(tmp / "runs" / "poisson-killed"), trained[("poisson", "single")]
-    assert [resumed[s] for s in range(CKPT_EVERY + 1, STEPS + 1)] == [full[s] for s in range(CKPT_EVERY + 1,
-                                                                                             STEPS + 1)]
+    stdout = killed_then_resumed("single", paths["poisson"], "poisson-killed")
+    assert_resumed(stdout, CKPT_EVERY, STEPS, tmp / "runs" / "poisson-killed", trained[("poisson", "single")][0],
+                   on=where("single"))  # bit-equal losses
     depths = {}
     for line in (tmp / "runs" / "poisson-single" / "metrics.jsonl").read_text().splitlines():
         row = json.loads(line)

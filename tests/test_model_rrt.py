@@ -106,7 +106,7 @@ def test_init_lora_b_zero_and_keys():
         for name in PROJECTIONS:
             W = P[f"recur.blocks.{i}.{name}.weight"]
             std = 0.02 / math.sqrt(2 * L) if name.endswith("c_proj") else 0.02
-            assert W.std().item() == pytest.approx(std, rel=0.25)
+            assert W.std().item() == pytest.approx(std, rel=0.25)  # tight: test_init_std_at_the_sampling_error
             for r in range(cfg.n_recurrence):
                 A, B = P[f"recur.blocks.{i}.{name}.lora_A.{r}.weight"], P[f"recur.blocks.{i}.{name}.lora_B.{r}.weight"]
                 assert A.shape == (cfg.lora_rank, W.shape[1]) and B.shape == (W.shape[0], cfg.lora_rank)
@@ -114,6 +114,31 @@ def test_init_lora_b_zero_and_keys():
     a = torch.cat([p.flatten() for k, p in P.items() if ".lora_A." in k])
     assert a.std().item() == pytest.approx(0.02, rel=0.05)  # not the residual scaling of c_proj's own weight
     assert set(m.state_dict()) == set(P) | {"lm_head.weight"}  # every tensor a parameter: nothing hidden from counts
+
+
+def assert_std(x: torch.Tensor, want: float, what: str, margin: float = 0.01) -> None:
+    """The sample std of n draws of N(0, want) is off by about want / sqrt(2n) (1 sigma); allow 4 sigma plus a
+    stated 1% margin, so a residual scale one recursion off (sqrt(8/10): -10.6%) cannot pass."""
+    rel = 4 / math.sqrt(2 * x.numel()) + margin
+    got = x.std().item()
+    assert got == pytest.approx(want, rel=rel), f"{what}: std {got:.6f}, want {want:.6f} +- {rel:.1%}"
+
+
+def test_init_std_at_the_sampling_error():
+    """Each kind of weight, pooled over every block, against the GPT-2 rule written out here: N(0, 0.02), residual
+    projections N(0, 0.02 / sqrt(2 L)) with L = block executions at N_r = prelude + core x N_r + coda."""
+    cfg = small_cfg(d_model=64, vocab_size=500)
+    m = build_model(cfg, seed=3)
+    L = cfg.n_prelude + cfg.n_core * cfg.n_recurrence + cfg.n_coda  # 1 + 2 x 3 + 1 = 8
+    resid = 0.02 / math.sqrt(2 * L)
+    P = dict(m.named_parameters())
+    for suffix, want in [("attn.c_proj.weight", resid), ("mlp.c_proj.weight", resid), ("attn.c_attn.weight", 0.02),
+                         ("mlp.c_fc.weight", 0.02)]:
+        pooled = torch.cat([p.flatten() for k, p in P.items() if k.endswith(suffix)])
+        assert pooled.numel() >= 4 * 64 * 64, suffix  # every block's, so the tolerance is a few percent
+        assert_std(pooled, want, suffix)
+    assert_std(torch.cat([p.flatten() for k, p in P.items() if ".lora_A." in k]), 0.02, "lora_A")
+    assert_std(P["embed.wte.weight"], 0.02, "wte")
 
 
 def test_lora_b_zero_equals_strictly_shared_model():

@@ -140,10 +140,30 @@ DENSE_SHAPES = {
 }
 CASES = [(name, mode) for name in {**GRT_SHAPES, **METHOD_SHAPES} for mode in ("none", "core_step", "blocks")]
 CASES += [(name, mode) for name in DENSE_SHAPES for mode in ("none", "blocks")]
-# rows derived term by term from what autograd saves, so they hold to the byte but for a few per-head scalars (the
-# wrapped Python scale factor): held to 0.1%, so that a dropped term shows
-EXACT = {"grt 1+2x4+1 k2 hyper3 d48", "recurtrace 1+1x4+1 union d32", "recurtrace 0+2x3+1 separate no-halt d48",
-         "recurrent_transformer 2L T64 tile8 d32", "recurrent_transformer 1L T40 tile6 no-own-key d48"}
+# Each row is held to what it measures (est / measured - 1, saved and peak; torch 2.13 CPU fp32) +- MARGIN. Rows not
+# listed measure within 0.03%: the estimate is derived term by term from what autograd saves and misses only a few
+# per-head scalars (the wrapped Python scale factor: 0-128 bytes). The listed rows miss (or add) a known amount:
+# - GRT without noise or reinjection: the estimate counts the state h once more per step than autograd keeps (+49,120
+#   bytes = 4 steps x s BTd - 32; core_step: once, in the recomputed region), an over-estimate kept visible here;
+# - MoR: the top-k indices freed with the unused values (-160 to -768 bytes);
+# - Ouro: -1,096 / -1,208 bytes, the same in every mode (a few small tensors, not yet attributed).
+# A dropped term moves a row by far more (two gate tensors per GRT step: >= 2 a BTd per step, 3-21% here; Ouro's
+# per-loop term: 3-30%), so a margin of 0.1 percentage point shows it on every row it touches.
+MARGIN = 1e-3
+OFF_BY = {  # (name, mode): (saved, peak), measured
+    ("grt no-noise no-reinject zeros", "none"): (+0.0211, +0.0211),
+    ("grt no-noise no-reinject zeros", "core_step"): (-0.0001, +0.0122),
+    ("grt no-noise no-reinject zeros", "blocks"): (+0.1043, +0.0748),
+    ("mor 1+2x3+1 T30 d32", "blocks"): (-0.0035, -0.0019),
+    ("mor 0+1x4+1 T32 d48", "none"): (-0.0006, -0.0006),
+    ("mor 0+1x4+1 T32 d48", "blocks"): (-0.0038, -0.0020),
+    ("ouro 2Lx3 d32", "none"): (-0.0013, -0.0013),
+    ("ouro 2Lx3 d32", "core_step"): (-0.0279, -0.0036),
+    ("ouro 2Lx3 d32", "blocks"): (-0.0122, -0.0051),
+    ("ouro 1Lx4 d48", "none"): (-0.0019, -0.0019),
+    ("ouro 1Lx4 d48", "core_step"): (-0.0230, -0.0060),
+    ("ouro 1Lx4 d48", "blocks"): (-0.0133, -0.0052),
+}
 
 
 def _case(name):
@@ -156,16 +176,16 @@ def _measured_depth(cfg) -> int | None:
 
 @pytest.mark.parametrize("name,mode", CASES)
 def test_activation_estimate_matches_measured(name, mode):
-    """Saved bytes and peak (saved + one recomputed region) of launch/memory.py vs measured, fp32 on CPU: +-20%
-    (+-0.1% for the EXACT rows)."""
+    """Saved bytes and peak (saved + one recomputed region) of launch/memory.py vs measured, fp32 on CPU: each row
+    within 0.1 percentage point of its measured error (OFF_BY, 0 if not listed)."""
     cfg, B = _case(name)
-    rel = 1e-3 if name in EXACT else 0.2
+    want_saved, want_peak = OFF_BY.get((name, mode), (0.0, 0.0))
     saved, region = measure_activations(cfg, B, mode, n_steps=_measured_depth(cfg))
     est = memory.activation_bytes(cfg, B, mode, a=4, s=4)
     print(f"{name:32s} {mode:9s} saved measured {saved:>10,} est {est.saved:>12,.0f} ({est.saved / saved - 1:+.1%})"
           f"  peak measured {saved + region:>10,} est {est.peak:>12,.0f} ({est.peak / (saved + region) - 1:+.1%})")
-    assert est.saved == pytest.approx(saved, rel=rel)
-    assert est.peak == pytest.approx(saved + region, rel=rel)
+    assert est.saved / saved - 1 == pytest.approx(want_saved, abs=MARGIN), "saved"
+    assert est.peak / (saved + region) - 1 == pytest.approx(want_peak, abs=MARGIN), "peak"
     assert (est.region == 0) == (region == 0)
 
 
@@ -202,8 +222,8 @@ def test_model_state_single_matches_measured(tiny):
 
 @pytest.mark.parametrize("mode", ["none", "core_step"])
 def test_rrt_lora_intermediates(mode):
-    """The LoRA term is too small for the +-20% test to see: the bytes one more rank costs, measured (two ranks,
-    the same shape), are 4 projections x A_r x (B T fp32 values per rank) per core block execution, exactly."""
+    """The LoRA term, pinned on its own (a row sees the whole model): the bytes one more rank costs, measured (two
+    ranks, the same shape), are 4 projections x A_r x (B T fp32 values per rank) per core block execution, exactly."""
     import dataclasses
 
     cfg, B = METHOD_SHAPES["rrt 1+2x3+1 rank8 d32"]

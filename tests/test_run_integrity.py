@@ -22,6 +22,7 @@ from pipeline.train.checkpoint import DamagedCheckpointError, resolve_checkpoint
 from pipeline.train.trainer import SIGINT_REPEAT_S, Trainer
 
 from conftest import step_losses, subprocess_env, tiny_recipe
+from resume_check import assert_resumed
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -194,10 +195,7 @@ def test_sigint_at_a_known_step_saves_exits_130_and_resumes_exactly(recipe, tmp_
                            capture_output=True, text=True, timeout=300)
     assert again.returncode == 0, again.stderr[-2000:]
     assert not (run_dir / "stopped.json").exists()
-    resumed, full = step_losses(run_dir), step_losses(run_dir.parent / "ref")
-    assert sorted(resumed) == list(range(1, 7))
-    for step in range(4, 7):
-        assert resumed[step] == full[step]
+    assert_resumed(again.stdout, 3, 6, run_dir, step_losses(run_dir.parent / "ref"), on="single x1")
 
 
 def test_grt_run_stops_after_the_sigterm_save_and_does_not_evaluate(recipe, tmp_path):

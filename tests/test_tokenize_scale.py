@@ -22,6 +22,7 @@ from pipeline.config import DataConfig, SourceConfig, from_dict
 from pipeline.tokenize import tokenize
 from pipeline.tokenize.bpe import gpt2_encoding
 from pipeline.tokenize.sources import stdlib_root
+from pipeline.tokenize.stage import BATCH_RECORDS, FAULT_STOP_ENV
 from pipeline.tokenize.writer import verify_dataset
 from pipeline.train.data import SequenceLoader, TokenShards
 
@@ -72,6 +73,14 @@ def children_of(pid: int) -> list[int]:
     return out
 
 
+def stopped(pid: int) -> bool:
+    """The process is stopped (SIGSTOP), from /proc."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T"
+    except OSError:
+        return False
+
+
 def alive(pid: int) -> bool:
     try:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
@@ -79,26 +88,60 @@ def alive(pid: int) -> bool:
         return False
 
 
+def corpus_with_records_lacking_text(path: Path, n: int = 5000) -> dict[str, list[int]]:
+    """A JSON-lines corpus (outside the project) with bad records planted at known lines: every 7th lacks the text
+    field (it has ``content`` and ``id``), every 13th is not UTF-8, every 17th is blank, every 23rd repeats an earlier
+    document. Returns the 0-based line numbers of each kind, counted here, not by the stage."""
+    docs = word_docs(n, seed=24, words=30)
+    planted: dict[str, list[int]] = {"missing": [], "utf8": [], "blank": []}
+    with open(path, "wb") as f:
+        for i, doc in enumerate(docs):
+            if i % 7 == 3:
+                planted["missing"].append(i)
+                f.write(json.dumps({"content": doc, "id": i}).encode() + b"\n")
+            elif i % 13 == 9:
+                planted["utf8"].append(i)
+                f.write(b'{"text": "bad \xff byte"}\n')
+            elif i % 17 == 16:
+                planted["blank"].append(i)
+                f.write(b"\n")
+            else:
+                f.write(json.dumps({"text": docs[i - 23] if i % 23 == 22 else doc}).encode() + b"\n")
+    return planted
+
+
 def test_sigkill_then_restart_resumes_and_is_byte_identical(tmp_path):
-    """A job killed with SIGKILL once its state records >= 40 completed shards: its workers die with it; every file
-    under a shard's final name holds the same bytes as an uninterrupted run's (a file cut short only ever has a
-    .tmp name, and one file is written at a time); started again, it says it resumes after the shards its state
-    records, leaves their files untouched (same inode and mtime: not rewritten) and ends byte-identical."""
-    data = {"sources": [{"kind": "stdlib", "max_bytes": 2_000_000}], "shard_tokens": 1024, "val_fraction": 0.05}
+    """A job SIGKILLed at a known point (the testing hook stops it as it is about to save state snapshot 35: the shard
+    that completed it is on disk, the state still says 34), with records lacking the text field on both sides of that
+    point, in the batch before and in the batch it falls in: its workers die with it; every file under a shard's
+    final name holds an uninterrupted run's bytes; the saved state counts every planted bad record up to its
+    position, fields of records without the text field included; started again, it says it resumes after the
+    shards its state records, leaves their files untouched (same inode and mtime) and ends byte-identical,
+    manifest.json included (it holds no wall time or other run-dependent field: nothing is exempt from the
+    comparison)."""
+    corpus = tmp_path / "corpus" / "planted.jsonl"
+    corpus.parent.mkdir()
+    planted = corpus_with_records_lacking_text(corpus)
+    # ~40 shards: each costs a state snapshot, and their fsyncs are most of the test's time
+    data = {"sources": [{"paths": [str(corpus)]}], "shard_tokens": 8192, "val_fraction": 0.05}
     ref = DataConfig(**{**data, "sources": [SourceConfig(**data["sources"][0])]}, dataset_dir=str(tmp_path / "ref"))
-    tokenize(ref, quiet=True, workers=1)
+    ref_manifest = tokenize(ref, quiet=True, workers=1)
     ref_files = files_of(tmp_path / "ref")
+    n_missing = len(planted["missing"])
+    src = ref_manifest["sources"][0]  # the counts against the planted ones: the reference is right, not only equal
+    assert src["skipped"]["missing_text_field"] == n_missing and src["skipped"]["invalid_utf8"] == len(planted["utf8"])
+    assert src["fields_of_records_without_text_field"] == {"content": n_missing, "id": n_missing}
 
     out = tmp_path / "killed"
     recipe = _recipe_file(tmp_path, {**data, "dataset_dir": str(out)})
     cmd = [sys.executable, "-m", "pipeline.cli", "tokenize", str(recipe), "--workers", "2"]
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    state = out / ".progress" / "state.json"
+    stop_at = 35
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env={**os.environ, FAULT_STOP_ENV: str(stop_at)})
     deadline = time.time() + 120
-    while time.time() < deadline:  # kill once a good number of shards are done
-        if state.is_file() and json.loads(state.read_text())["snapshots"] >= 40:
-            break
+    while proc.poll() is None and not stopped(proc.pid) and time.time() < deadline:
         time.sleep(0.01)
+    assert stopped(proc.pid), f"the job did not stop itself at snapshot {stop_at} (exit status {proc.poll()})"
     workers = children_of(proc.pid)
     assert len(workers) == 2, workers
     proc.send_signal(signal.SIGKILL)
@@ -107,19 +150,31 @@ def test_sigkill_then_restart_resumes_and_is_byte_identical(tmp_path):
     while any(map(alive, workers)) and time.time() < deadline:
         time.sleep(0.05)
     assert not [w for w in workers if alive(w)], "tokenizer workers outlived the killed job"
-    assert not (out / "manifest.json").exists(), "the job finished before it could be killed"
+    assert not (out / "manifest.json").exists()
     shard_files = {p.name: p.read_bytes() for p in out.iterdir() if SHARD_NAME.fullmatch(p.name)}
     assert [n for n, b in shard_files.items() if b != ref_files.get(n)] == []  # none partial, under a final name
-    assert len(list(out.rglob("*.tmp"))) <= 1
-    state_now = json.loads(state.read_text())
+    assert not list(out.rglob("*.tmp"))  # stopped between two writes
+    state_now = json.loads((out / ".progress" / "state.json").read_text())
+    assert state_now["snapshots"] == stop_at - 1
     done = [f for w in state_now["writers"].values() for s in w["shards"] for f in (s["file"], s["index_file"])]
-    assert len(done) >= 80 and set(done) <= set(shard_files)  # every shard the state counts is complete on disk
+    assert len(done) == 2 * (stop_at - 1) and set(done) < set(shard_files)  # + the shard of the unsaved snapshot
+    # where the kill landed: in the second batch (the 877 kB file is one batch of BATCH_RECORDS lines, then the rest),
+    # after some of its records without the text field (every 7th line is one), before others
+    last = state_now["position"][2]
+    assert BATCH_RECORDS + 7 <= last, last
+    before = sum(i <= last for i in planted["missing"])
+    assert 0 < before < n_missing, (last, before)
+    st = state_now["stats"][0]
+    assert (st["skipped"]["missing_text_field"], st["skipped"]["invalid_utf8"]) == \
+        (before, sum(i <= last for i in planted["utf8"]))
+    assert st["fields_of_records_without_text_field"] == {"content": before, "id": before}
     stamps = {f: ((out / f).stat().st_ino, (out / f).stat().st_mtime_ns) for f in done}
 
     again = subprocess.run(cmd, cwd=REPO, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     assert {f: ((out / f).stat().st_ino, (out / f).stat().st_mtime_ns) for f in done} == stamps  # not rewritten
     assert (f"tokenize: resuming {out} after {state_now['bytes_read'] / 1e6:,.1f} MB of input "
             f"({len(done) // 2} shards done)") in again.stderr, again.stderr[-2000:]
+    assert (out / "manifest.json").read_text() == ref_files["manifest.json"].decode()  # a diff on failure
     assert files_of(out) == ref_files
     assert not (out / ".progress").exists()
 

@@ -5,6 +5,7 @@
   replays it and every step is in the metric history exactly once; a resumed run appends to the same MLflow run;
 - a run SIGKILLed between checkpoints (sqlite store) resumes in the same MLflow run: one run, params of the first
   launch, each step's metrics once, except the steps after the checkpoint, trained and logged again (documented);
+  one SIGKILLed before its first checkpoint trains again from step 1 in the same MLflow run;
 - an outage that ends mid-run is replayed at the next flush (warned once each way), leftovers on resume;
 - a host name the server refuses (MLflow 3.x's --allowed-hosts) is named before training;
 - tags (git SHA, hosts, launcher, world size, SLURM job id), the tokenized dataset as the run's input, the
@@ -332,16 +333,36 @@ def test_host_name_the_server_refuses_is_named_before_training(setup):
 
 
 @pytest.mark.slow
-def test_run_that_died_before_its_first_checkpoint_continues(setup, fast_flush):
-    tmp, corpus, server = setup
-    server.ensure_up()
-    cfg = from_dict(recipe(tmp, corpus, server.uri, "early"))
-    first = Trainer(cfg)  # dies here: run.json written, no checkpoint
-    second = Trainer(cfg)
-    assert not (cfg.run_dir / "checkpoints").exists()
-    assert second.tracker.run_id == first.tracker.run_id == run_id_of(cfg.run_dir)
-    for t in (first, second):
-        t.tracker.close("KILLED")
+def test_run_that_died_before_its_first_checkpoint_continues(setup, capsys):
+    """docs/tracking.md: a rerun continues the same MLflow run "also when it died before its first checkpoint".
+    `grt train` SIGKILLed right after step 1 (first checkpoint due at 2), then run again (here, in this process):
+    it trains from step 1 in the first launch's MLflow run: one run in the store, FINISHED, step 1 logged by both
+    launches with equal values (same seed, from scratch), each value the one metrics.jsonl holds."""
+    from collections import Counter
+
+    tmp, corpus, _ = setup
+    uri = f"sqlite:///{tmp / 'resume.db'}"  # the store of the test below (a new sqlite store costs ~7 s to create)
+    r = recipe(tmp, corpus, uri, "early", max_steps=2, checkpoint_interval=2, eval_interval=2)
+    r["tracking"]["experiment"] = "died-early"  # its own experiment: the test below counts the runs of its own
+    path = tmp / "early.yaml"
+    path.write_text(yaml.safe_dump(r))
+    killed = subprocess.run([sys.executable, "-m", "pipeline.cli", "train", str(path)], cwd=REPO,
+                            env=subprocess_env(GRT_FAULT_KILL_AT_STEP="1"), capture_output=True, text=True,
+                            timeout=300)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    run_dir = from_dict(r).run_dir
+    assert not list((run_dir / "checkpoints").glob("step_*"))  # died before its first checkpoint
+    first_id = run_id_of(run_dir)
+    capsys.readouterr()
+    assert cli.main(["train", str(path)]) == 0
+    assert printed_steps(capsys.readouterr().out) == [1, 2]
+    client = client_for(uri)
+    runs = client.search_runs([client.get_experiment_by_name("died-early").experiment_id])
+    assert [x.info.run_id for x in runs] == [first_id] and runs[0].info.status == "FINISHED"
+    logged = client.get_metric_history(first_id, "loss")
+    assert Counter(m.step for m in logged) == {1: 2, 2: 1}
+    local = step_losses(run_dir)
+    assert all(m.value == local[m.step] for m in logged), [(m.step, m.value, local[m.step]) for m in logged]
 
 
 @pytest.mark.slow

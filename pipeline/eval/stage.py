@@ -2,6 +2,7 @@
 JSON and PNG in the run folder and logged to the run's MLflow run."""
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 import time
@@ -15,7 +16,7 @@ from pipeline.model import build_model, exits_are_layers, model_class, model_inf
 from pipeline.model.registry import NOISY_TYPES
 from pipeline.tracking import open_tracker
 from pipeline.train.backend import autocast_dtype, pick_device
-from pipeline.train.checkpoint import full_model_state, load_checkpoint, resolve_checkpoint
+from pipeline.train.checkpoint import full_model_state, list_checkpoints, load_checkpoint, resolve_checkpoint
 from pipeline.train.data import TokenShards, check_shards, validation_batches, window_problems
 from pipeline.train.trainer import check_dataset_matches_model
 from pipeline.eval.analyses import analysis_metrics, analysis_plots, print_analyses, run_analyses
@@ -87,16 +88,33 @@ def run_dir_of(ckpt: Path) -> Path:
     return ckpt.parent
 
 
+def unfinished_note(ckpt: Path, state: dict, max_steps: int) -> str | None:
+    """One line when the checkpoint evaluated is short of its recipe's train.max_steps (a run stopped by a signal,
+    killed, or still training; or an earlier checkpoint of a finished run), else None."""
+    step, stopped = state["step"], run_dir_of(ckpt) / "stopped.json"
+    if step >= max_steps:
+        return None
+    newest = list_checkpoints(ckpt.parent.parent)[-1:]
+    if newest and newest[0] != ckpt.parent:  # picked by hand: say which one is the run's latest
+        return (f"note: {ckpt.parent} is at step {step} of {max_steps} (train.max_steps): this evaluates an "
+                f"earlier checkpoint; the run's newest is {newest[0].name}")
+    why = ""
+    if stopped.is_file():
+        with contextlib.suppress(OSError, ValueError):
+            why = f", stopped by {json.loads(stopped.read_text()).get('signal')} ({stopped})"
+    return (f"note: {ckpt.parent} is at step {step} of {max_steps} (train.max_steps){why}: this evaluates an "
+            f"unfinished run; `grt train` on its recipe trains the rest")
+
+
 def evaluate(path: str | Path, overrides: list[str] | None = None, quiet: bool = False) -> dict:
     """Early-exit curve (+ KL / top-1 to the trained depth), diagnostics and downstream tasks of a checkpoint, saved
     under runs/NAME/eval/ and logged to the run's MLflow run."""
     t0 = time.time()
     model, cfg, state, ckpt = load_trained(path, overrides)
-    stopped = run_dir_of(ckpt) / "stopped.json"
-    if stopped.is_file() and not quiet:
-        info_ = json.loads(stopped.read_text())
-        print(f"note: {run_dir_of(ckpt).name} was stopped by {info_.get('signal')} at step {info_.get('step')} of "
-              f"{info_.get('max_steps')} ({stopped}): this evaluates an unfinished run", file=sys.stderr)
+    if not quiet:
+        note = unfinished_note(ckpt, state, cfg.train.max_steps)
+        if note:
+            print(note, file=sys.stderr)
     device = next(model.parameters()).device
     info = model_info(cfg.model)
     ev = cfg.eval

@@ -22,6 +22,8 @@ import os
 import shutil
 from pathlib import Path
 
+from pipeline.out_folder import check_replaceable
+
 SUPPORTED = {"grt": ("GRTForCausalLM", "custom code in the folder: trust_remote_code=True"),
              "gpt": ("GPT2LMHeadModel", "stock transformers")}  # model.type -> (transformers class, how it loads)
 TEMPLATE = Path(__file__).parent / "hf_template"
@@ -32,9 +34,8 @@ VERIFY_TOKENS = 16  # positions compared when verifying an export
 
 
 def check_out(out: Path) -> None:
-    """Refuse to replace a folder this command did not write."""
-    if out.is_file() or (out.is_dir() and any(out.iterdir()) and not (out / MARKER).is_file()):
-        raise FileExistsError(f"--out {out} exists and is not an earlier `grt export`: choose a new folder or empty it")
+    """Refuse to replace a folder this command did not write (or one holding a run)."""
+    check_replaceable(out, MARKER, "grt export")
 
 
 def grt_tensors(weights: dict) -> dict:

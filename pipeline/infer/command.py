@@ -46,7 +46,15 @@ def read_prompts(args) -> list[str]:
     path = Path(args.batch_file)
     if not path.is_file():
         raise UsageError(f"--batch-file {path}: no such file; write one prompt per line")
-    prompts = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    data = path.read_bytes()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        col = e.start - (data.rfind(b"\n", 0, e.start) + 1) + 1
+        raise UsageError(f"--batch-file {path}: line {line} is not valid UTF-8 (byte 0x{data[e.start]:02x} at byte "
+                         f"{col} of the line); save the file as UTF-8 text, one prompt per line") from None
+    prompts = [line for line in text.splitlines() if line.strip()]
     if not prompts:
         raise UsageError(f"--batch-file {path} holds no prompt (blank lines are skipped); write one prompt per line")
     return prompts
@@ -101,6 +109,9 @@ def generate_command(args, out=None, err=None) -> int:
     problems = option_problems(args, len(prompts))
     if problems:
         raise UsageError("; ".join(problems))
+    if args.device.startswith("cuda") and not torch.cuda.is_available():  # in generate's words, not a recipe's
+        raise UsageError(f"--device {args.device}: CUDA is not available here (torch sees no CUDA device); pass "
+                         f"--device cpu, or omit --device (auto picks CUDA when present)")
     from pipeline.eval.stage import load_trained
     from pipeline.model import model_class
     from pipeline.tokenize.bpe import gpt2_encoding

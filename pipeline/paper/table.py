@@ -13,6 +13,7 @@ delta = run - paper: negative is better than the paper for a loss, positive for 
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -47,35 +48,37 @@ def load_results(path: str | Path = RESULTS) -> dict:
 
 
 # ------------------------------------------------------------------------------------------------ MLflow side
-def fetch_runs(tracking_uri: str, experiments: list[str]) -> tuple[object, list, list[str]]:
-    """(client or None, every run of ``experiments`` newest first, notes on what was not found). A local store that
-    does not exist is not created (reading writes nothing): every row then says "no run"."""
+@contextlib.contextmanager
+def fetch_runs(tracking_uri: str, experiments: list[str]):
+    """While open: (client or None, every run of ``experiments`` newest first, notes on what was not found). A local
+    store that does not exist is not created (reading writes nothing): every row then says "no run". A server that
+    does not answer, or a store error while open, is one TrackingUnavailableError (pipeline/tracking.py)."""
     from pipeline.eval.compare import _local_store
-    from pipeline.tracking import resolve_uri
+    from pipeline.tracking import reading_store, resolve_uri
 
     uri = resolve_uri(tracking_uri)
     store = _local_store(uri)
     if store is not None and not store.exists():
-        return None, [], [f"no MLflow store at {uri} ({store} does not exist): nothing logged there yet"]
+        yield None, [], [f"no MLflow store at {uri} ({store} does not exist): nothing logged there yet"]
+        return
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
-    from mlflow.tracking import MlflowClient
-
-    client = MlflowClient(tracking_uri=uri)
-    ids, notes = [], []
-    for name in experiments:
-        exp = client.get_experiment_by_name(name)
-        if exp is None:
-            notes.append(f"no MLflow experiment '{name}' at {uri}")
-        else:
-            ids.append(exp.experiment_id)
-    runs, token = [], None
-    while ids:
-        page = client.search_runs(ids, order_by=["attributes.start_time DESC"], max_results=1000, page_token=token)
-        runs += list(page)
-        token = page.token
-        if not token:
-            break
-    return client, runs, notes
+    with reading_store(uri, "point --tracking-uri at the store the runs were logged to") as client:
+        ids, notes = [], []
+        for name in experiments:
+            exp = client.get_experiment_by_name(name)
+            if exp is None:
+                notes.append(f"no MLflow experiment '{name}' at {uri}")
+            else:
+                ids.append(exp.experiment_id)
+        runs, token = [], None
+        while ids:
+            page = client.search_runs(ids, order_by=["attributes.start_time DESC"], max_results=1000,
+                                      page_token=token)
+            runs += list(page)
+            token = page.token
+            if not token:
+                break
+        yield client, runs, notes
 
 
 def _candidates(row: dict, runs: list, data_stem: Optional[str]) -> list:
@@ -116,29 +119,31 @@ def paper_table(tables: dict, which: list[str], tracking_uri: str, experiments: 
     """{"tables": [{"key", "title", "unit", "notes", "rows": [{...row, "value", "delta", "status", "run_name",
     "run_id", "step", "read", "shape"}]}], "notes": [...], "tracking_uri", "experiments"}. ``status`` is "ok",
     "no run" (no run of that name), or why the matching runs give no value ("not evaluated", "not scored", ...)."""
-    client, runs, notes = fetch_runs(tracking_uri, experiments)
-    out = []
-    for key in which:
-        table = tables[key]
-        rows = []
-        for row in table["rows"]:
-            metric = row.get("metric") or table["metric"]
-            res = dict(row, metric=metric, value=None, delta=None, status="no run", run_name=None, run_id=None,
-                       step=None, read=None, shape=None)
-            for run in _candidates(row, runs, data_stem):
-                value, step, read = run_value(client, run, metric, float(table.get("scale", 1.0)))
-                if res["status"] == "no run":  # the newest run's reason, if none has a value
-                    res.update(status=read, run_name=run.info.run_name)
-                if value is not None:
-                    res.update(value=value, step=step, read=read, status="ok", run_name=run.info.run_name,
-                               run_id=run.info.run_id, shape=run.data.tags.get("shorthand"))
-                    if row.get("paper") is not None:
-                        res["delta"] = value - row["paper"]
-                    break
-            rows.append(res)
-        out.append({"key": key, "title": table["title"], "unit": table["unit"], "notes": table.get("notes", ""),
-                    "lower_is_better": table.get("lower_is_better", True), "rows": rows})
+    with fetch_runs(tracking_uri, experiments) as (client, runs, notes):
+        out = [_table(key, tables[key], client, runs, data_stem) for key in which]
     return {"tables": out, "notes": notes, "tracking_uri": tracking_uri, "experiments": experiments}
+
+
+def _table(key: str, table: dict, client, runs: list, data_stem: Optional[str]) -> dict:
+    """One table of :func:`paper_table`: each row beside the newest matching run with a value."""
+    rows = []
+    for row in table["rows"]:
+        metric = row.get("metric") or table["metric"]
+        res = dict(row, metric=metric, value=None, delta=None, status="no run", run_name=None, run_id=None,
+                   step=None, read=None, shape=None)
+        for run in _candidates(row, runs, data_stem):
+            value, step, read = run_value(client, run, metric, float(table.get("scale", 1.0)))
+            if res["status"] == "no run":  # the newest run's reason, if none has a value
+                res.update(status=read, run_name=run.info.run_name)
+            if value is not None:
+                res.update(value=value, step=step, read=read, status="ok", run_name=run.info.run_name,
+                           run_id=run.info.run_id, shape=run.data.tags.get("shorthand"))
+                if row.get("paper") is not None:
+                    res["delta"] = value - row["paper"]
+                break
+        rows.append(res)
+    return {"key": key, "title": table["title"], "unit": table["unit"], "notes": table.get("notes", ""),
+            "lower_is_better": table.get("lower_is_better", True), "rows": rows}
 
 
 # -------------------------------------------------------------------------------------------------- printing

@@ -16,6 +16,7 @@ import json
 import multiprocessing
 import os
 import shutil
+import signal
 import sys
 import time
 from collections import Counter, deque
@@ -30,8 +31,7 @@ from pipeline.config import DataConfig, RecipeError, SourceConfig, config_hash
 from pipeline.locking import FALLBACK_FILE, LOCK_FILE, FolderLock, FolderLockedError
 from pipeline.tokenize.bpe import tokenizer_identity
 from pipeline.tokenize.dedup import HashSet64
-from pipeline.tokenize.sources import (SKIP_REASONS, DamagedInputError, Record, Unit, plan_units, read_unit,
-                                      record_fields)
+from pipeline.tokenize.sources import SKIP_REASONS, DamagedInputError, Record, Unit, plan_units, read_unit
 from pipeline.tokenize.worker import BLANK, DOC, BatchResult, init_worker, process_batch
 from pipeline.tokenize.writer import (FORMAT_VERSION, MANIFEST, ShardWriter, atomic_write, manifest_problems,
                                       write_manifest)
@@ -40,11 +40,14 @@ BATCH_BYTES = 1 << 20  # raw bytes per batch handed to a worker
 BATCH_RECORDS = 4096
 MAX_LOCATIONS = 5  # first locations kept per skip reason
 PROGRESS = ".progress"
-STATE_VERSION = 2
+STATE_VERSION = 3  # 3: every count record by record (2 saved the fields of records without the text field per batch)
 MISSING = SKIP_REASONS.index("missing_text_field") + 1  # the worker's kind of a record without the text field
 WARN_MISSING_AFTER = 1000  # records without the text field, and no document yet, before a source is warned about
 MAX_FIELDS = 50  # distinct fields counted per source on records without the text field
 UP_TO_DATE_WAIT_S = 5.0  # how long a job that finds the dataset up to date waits for another job's lock
+# Testing hook: the job stops itself (SIGSTOP) as it is about to save state snapshot N (the shard that completed it
+# is on disk under its final name, the state still says N - 1), for a test to SIGKILL it at that exact point.
+FAULT_STOP_ENV = "GRT_FAULT_TOKENIZE_STOP_AT_SNAPSHOT"
 
 
 class BadRecordError(ValueError):
@@ -123,6 +126,8 @@ class _Job:
         return "val" if is_validation(h, self.cfg.val_fraction) else "train"
 
     def save_state(self) -> None:
+        if self.snapshots + 1 == int(os.environ.get(FAULT_STOP_ENV) or 0):
+            os.kill(os.getpid(), signal.SIGSTOP)
         self.snapshots += 1
         new = self.dedup.take_new()
         atomic_write(self.progress_dir / f"dedup_{self.snapshots:06d}.npy", new.astype("<u8").tobytes())
@@ -183,15 +188,21 @@ class _Job:
     def handle(self, records: list[Record], res: BatchResult, bar) -> None:
         d = 0  # document index within the batch
         offset = 0
+        m = 0  # index of records without the text field within the batch
         batch_bytes = sum(r.nbytes for r in records)
-        self.bytes_read += batch_bytes
+        # Every count here, bytes_read included, grows record by record: a state saved mid-batch (a shard completed)
+        # holds each count up to the same record as its position, and a resumed job counts the rest exactly once.
         for rec, kind in zip(records, res.kinds.tolist()):
             src = rec.pos[0]
+            self.bytes_read += rec.nbytes
             if kind == DOC:
                 h, ntok, nbytes = int(res.hashes[d]), int(res.ntokens[d]), int(res.nbytes[d])
                 tokens = res.tokens[offset:offset + ntok]
                 d += 1
                 offset += ntok
+            elif kind == MISSING:
+                fields = rec.fields or res.missing_fields[m]  # an HF row's fields come with the record
+                m += 1
             if src in self.capped:
                 continue
             self.position = rec.pos
@@ -204,15 +215,15 @@ class _Job:
                 if self.strict:
                     what = reason.replace('_', ' ')
                     if kind == MISSING:
-                        field, fields = self.sources[src].text_field, rec.fields or record_fields(rec.raw, rec.fmt)
+                        field = self.sources[src].text_field
                         what = f"field {field!r} is not a string" if field in fields else f"no field {field!r}"
                         what += (f" (fields it has: {', '.join(fields)})" if fields else "") + \
                             f"; {self.source_key(src)}.text_field names the field that holds the text"
                     raise BadRecordError(f"{where}: {what} (strict mode; drop data.strict / --strict to count and "
                                          f"skip such records instead)")
                 st["skipped"][reason] += 1
-                if kind == MISSING and rec.fields:  # an HF row: its fields are known here
-                    self.count_fields(src, Counter(rec.fields))
+                if kind == MISSING and fields:
+                    self.count_fields(src, Counter(fields))
                 if len(st["first_skipped"][reason]) < MAX_LOCATIONS:
                     st["first_skipped"][reason].append(where)
                 continue
@@ -228,8 +239,6 @@ class _Job:
             st["tokens"] += ntok
             if self.writers[self._split_of(src, h)].add_document(tokens):
                 self.save_state()
-        if res.fields_without_text_field:  # a batch holds one source's records
-            self.count_fields(records[0].pos[0], res.fields_without_text_field)
         self.warn_missing_field(records[0].pos[0])
         bar.update(batch_bytes)
         bar.set_postfix_str(f"{sum(s['documents'] for s in self.stats):,} docs, "

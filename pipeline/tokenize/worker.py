@@ -8,7 +8,6 @@ import signal
 import sys
 import threading
 import time
-from collections import Counter
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -28,8 +27,10 @@ class BatchResult:
     ntokens: np.ndarray  # int64 per document, EOT included
     nbytes: np.ndarray  # int64 per document: UTF-8 bytes of its text
     tokens: np.ndarray  # all documents' tokens, each followed by EOT
-    # the fields of the JSON records that lack the text field, and on how many of them each is
-    fields_without_text_field: Counter = field(default_factory=Counter)
+    # per record that lacks the text field, in order: its fields (a JSON object's keys; () for other records). Per
+    # record, not per batch, so the main process counts them record by record, as it counts the skip itself: a
+    # state saved mid-batch then holds both counts up to the same record.
+    missing_fields: list[tuple[str, ...]] = field(default_factory=list)
 
 
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
@@ -61,7 +62,7 @@ def process_batch(records: list[tuple], text_field: str, dtype: str) -> BatchRes
     enc = gpt2_encoding()
     eot = enc.eot_token
     kinds, texts = [], []
-    fields: Counter = Counter()
+    fields: list[tuple[str, ...]] = []
     for raw, fmt in records:
         if fmt == "blank":
             kinds.append(BLANK)
@@ -70,7 +71,7 @@ def process_batch(records: list[tuple], text_field: str, dtype: str) -> BatchRes
         if reason is not None:
             kinds.append(1 + SKIP_REASONS.index(reason))
             if reason == "missing_text_field":
-                fields.update(record_fields(raw, fmt))
+                fields.append(tuple(record_fields(raw, fmt)))
             continue
         kinds.append(DOC)
         texts.append(text)
@@ -84,4 +85,4 @@ def process_batch(records: list[tuple], text_field: str, dtype: str) -> BatchRes
                        hashes=np.asarray([content_hash(t) for t in texts], dtype=np.uint64),
                        ntokens=np.asarray(ntokens, dtype=np.int64),
                        nbytes=np.asarray([len(t.encode("utf-8", "surrogatepass")) for t in texts], dtype=np.int64),
-                       tokens=np.asarray(flat, dtype=dtype), fields_without_text_field=fields)
+                       tokens=np.asarray(flat, dtype=dtype), missing_fields=fields)

@@ -6,7 +6,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import tempfile
 from pathlib import Path
+
+from pipeline.out_folder import check_replaceable
+
+MARKER = "grt_convert.json"  # marks a folder this command wrote (and may replace)
 
 
 def default_out(ckpt_file: Path, state: dict, to: str) -> Path:
@@ -20,12 +25,7 @@ def default_out(ckpt_file: Path, state: dict, to: str) -> Path:
 def convert(path: str | Path, to: str, out: str | Path | None = None) -> Path:
     """Write the checkpoint at ``path`` as ``to`` (full: state.pt with model and, where the source has it in torch
     form, optimizer; safetensors: the model weights + the recipe as metadata). Returns the output folder."""
-    import torch
-    import yaml
-
-    from pipeline.train.checkpoint import (SAFETENSORS, SAFETENSORS_META, checkpoint_format_of, full_model_state,
-                                           full_optimizer_state, load_checkpoint, resolve_checkpoint, tied_names,
-                                           write_index)
+    from pipeline.train.checkpoint import checkpoint_format_of, full_model_state, load_checkpoint, resolve_checkpoint
 
     if to not in ("full", "safetensors"):
         raise ValueError(f"--to {to!r}: choose full or safetensors")
@@ -33,12 +33,31 @@ def convert(path: str | Path, to: str, out: str | Path | None = None) -> Path:
     state = load_checkpoint(ckpt, verify=False)  # verified by resolve_checkpoint
     source = checkpoint_format_of(ckpt.parent, state)
     out = Path(out) if out else default_out(ckpt, state, to)
+    check_replaceable(out, MARKER, "grt checkpoint convert", source=ckpt.parent)
     model = full_model_state(ckpt, state)
     meta = {k: state[k] for k in ("step", "recipe", "info", "skipped_steps", "world_size") if k in state}
     meta["converted_from"] = {"path": str(ckpt.parent.resolve()), "format": source}
-    tmp = out.with_name(f".{out.name}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # written inside a folder of a new name (nobody else's to delete), then renamed: out is never half-written
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
+    try:
+        tmp = staging / out.name
+        tmp.mkdir()
+        _write(tmp, to, ckpt, state, model, meta)
+        if out.exists():
+            shutil.rmtree(out)  # an earlier convert's output (check_replaceable)
+        os.replace(tmp, out)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return out
+
+
+def _write(tmp: Path, to: str, ckpt: Path, state: dict, model: dict, meta: dict) -> None:
+    import torch
+    import yaml
+
+    from pipeline.train.checkpoint import SAFETENSORS, SAFETENSORS_META, full_optimizer_state, tied_names, write_index
+
     if to == "full":
         optimizer = full_optimizer_state(ckpt, state)
         keep = {k: state[k] for k in ("loader", "mlflow_run_id") if k in state}
@@ -52,11 +71,8 @@ def convert(path: str | Path, to: str, out: str | Path | None = None) -> Path:
         unique = {name: t.detach().contiguous() for name, t in model.items() if name not in aliases}
         save_file(unique, str(tmp / SAFETENSORS), metadata={SAFETENSORS_META: json.dumps(meta, default=str)})
     (tmp / "recipe.yaml").write_text(yaml.safe_dump(state["recipe"], sort_keys=False))
+    (tmp / MARKER).write_text(json.dumps({"to": to, **meta["converted_from"], "step": meta.get("step")}) + "\n")
     write_index(tmp)  # the export is checked like a checkpoint when it is loaded
-    if out.exists():
-        shutil.rmtree(out)
-    os.replace(tmp, out)
-    return out
 
 
 def cmd_convert(args) -> int:
@@ -68,10 +84,12 @@ def cmd_convert(args) -> int:
 
 def cmd_verify(args) -> int:
     """Every checkpoint of a run (or one checkpoint folder) against its integrity index: exit 1 if any is damaged."""
-    from pipeline.train.checkpoint import (INDEX, list_checkpoints, load_checkpoint, set_aside_names, verify_checkpoint,
-                                           write_index)
+    from pipeline.train.checkpoint import (INDEX, check_loadable, list_checkpoints, not_a_checkpoint, set_aside_names,
+                                           verify_checkpoint, write_index)
 
     p = Path(args.path)
+    if p.is_file() and p.suffix in (".yaml", ".yml"):
+        raise ValueError(not_a_checkpoint(p))
     folders = (list_checkpoints(p / "checkpoints") or list_checkpoints(p)
                or ([p] if (p / "state.pt").is_file() or (p / INDEX).is_file() else []))
     if not folders:
@@ -84,7 +102,7 @@ def cmd_verify(args) -> int:
     for folder in folders:
         if args.adopt and not (folder / INDEX).is_file():
             try:
-                load_checkpoint(folder / "state.pt", verify=False)  # must at least load
+                check_loadable(folder)  # every file of its format must read in full
             except (OSError, ValueError) as e:
                 damaged += 1
                 print(f"{folder}: DAMAGED, not adopted: {e}")
