@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import json
 import os
-from pathlib import Path
 
 import yaml
 
-import pipeline.train.trainer as trainer_module
+from pipeline.train import faults
 from pipeline.cli import main as grt
 from pipeline.config import from_dict
 from pipeline.tokenize import tokenize
@@ -32,7 +31,7 @@ def test_a_full_disk_during_a_full_format_save_stops_in_one_line_and_the_run_res
     run_dir = from_dict(recipe).run_dir
     ckpts = run_dir / "checkpoints"
     # step 3's state.pt (~19 MB of weights and AdamW moments) fails after its first 64 KiB
-    monkeypatch.setattr(trainer_module, "FAULT_DISK_FULL", (3, 1 << 16, None))
+    monkeypatch.setattr(faults, "FAULT_DISK_FULL", (3, 1 << 16, None))
     capsys.readouterr()
     assert grt(["train", str(path)]) == 1
     err = capsys.readouterr().err
@@ -46,7 +45,7 @@ def test_a_full_disk_during_a_full_format_save_stops_in_one_line_and_the_run_res
     first = step_losses(run_dir)
     assert sorted(first) == [1, 2, 3]  # step 3 was trained before its save failed
 
-    monkeypatch.setattr(trainer_module, "FAULT_DISK_FULL", (0, 0, None))  # space freed
+    monkeypatch.setattr(faults, "FAULT_DISK_FULL", (0, 0, None))  # space freed
     assert grt(["train", str(path)]) == 0
     out = capsys.readouterr().out
     assert "resumed at step 2 " in out, out

@@ -4,7 +4,6 @@ rolling windows, uncached greedy decoding."""
 import bz2
 import itertools
 import json
-import math
 import subprocess
 import sys
 from pathlib import Path

@@ -4,7 +4,6 @@ failed start that leaves nothing behind."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import signal
 import subprocess

@@ -21,7 +21,6 @@ from pipeline.cli import main
 from pipeline.config import DataConfig, SourceConfig, from_dict
 from pipeline.tokenize import tokenize
 from pipeline.tokenize.bpe import gpt2_encoding
-from pipeline.tokenize.sources import stdlib_root
 from pipeline.tokenize.stage import BATCH_RECORDS, FAULT_STOP_ENV
 from pipeline.tokenize.writer import verify_dataset
 from pipeline.train.data import SequenceLoader, TokenShards

@@ -35,6 +35,7 @@ from pipeline.tokenize.bpe import tokenizer_identity
 from pipeline.tracking import open_training_tracker
 from pipeline.train.backend import build_backend
 from pipeline.train.callbacks import Callback, ConsoleLogger, TrackerCallback
+from pipeline.train import faults
 from pipeline.train.checkpoint import (INDEX, disk_full_cause, disk_full_message, hash_share, list_checkpoints,
                                        load_checkpoint, prepare_staging, publish, set_aside_names, staging_dir)
 from pipeline.train.data import SequenceLoader, TokenShards, check_shards, check_windows, validation_batches
@@ -72,102 +73,6 @@ def step_seed(seed: int, step: int, block: int) -> int:
     return int.from_bytes(hashlib.sha256(f"noise:{seed}:{step}:{block}".encode()).digest()[:8], "little")
 
 
-# Testing hooks: every rank (or only GRT_FAULT_KILL_RANK) SIGKILLs itself right after logging this step.
-FAULT_KILL_AT_STEP = int(os.environ.get("GRT_FAULT_KILL_AT_STEP", "0") or 0)
-FAULT_KILL_RANK = int(os.environ["GRT_FAULT_KILL_RANK"]) if os.environ.get("GRT_FAULT_KILL_RANK") else None
-# ... or while saving the checkpoint of this step (its files written, not yet published)
-FAULT_KILL_IN_SAVE = int(os.environ.get("GRT_FAULT_KILL_IN_SAVE", "0") or 0)
-# ... or send this signal (name or number; default SIGINT) to rank 0 itself right after this step: "STEP[:SIGNAL]"
-_fault_signal = os.environ.get("GRT_FAULT_SIGNAL_AT_STEP", "").partition(":")
-FAULT_SIGNAL_AT_STEP = (int(_fault_signal[0] or 0), getattr(signal, _fault_signal[2] or "SIGINT", None)
-                        or signal.Signals(int(_fault_signal[2])))
-# ... or make rank 0's first torch.save of each checkpoint (state.pt; DeepSpeed's model states) take this many seconds
-# longer, after any gather the save does first: slow network storage
-FAULT_SLOW_SAVE_S = float(os.environ.get("GRT_FAULT_SLOW_SAVE_S", "0") or 0)
-
-
-@contextlib.contextmanager
-def slowed_first_write(seconds: float):
-    if not seconds:
-        yield
-        return
-    save, slowed = torch.save, []
-
-    def slow_save(*args, **kwargs):
-        if not slowed:
-            slowed.append(True)
-            time.sleep(seconds)
-        return save(*args, **kwargs)
-    torch.save = slow_save
-    try:
-        yield
-    finally:
-        torch.save = save
-# ... or fill the disk during the save of a step: once this rank has written BYTES bytes into that step's staging
-# folder, every further write there fails with ENOSPC, from inside torch.save and DCP's writer ("STEP:BYTES[:RANK]",
-# every rank without RANK)
-_fault_disk = os.environ.get("GRT_FAULT_DISK_FULL", "").split(":")
-FAULT_DISK_FULL = (int(_fault_disk[0] or 0), int(_fault_disk[1]) if len(_fault_disk) > 1 else 0,
-                   int(_fault_disk[2]) if len(_fault_disk) > 2 else None)
-
-
-class FillingDisk:
-    """While entered, files opened for writing under ``folder`` take ``budget`` bytes in all, then fail as a full disk
-    does: the bytes that fit are written, then OSError(ENOSPC). Every file write of a save goes through ``open``
-    (``Path.open`` calls ``io.open``), so the error rises where a real one would."""
-
-    def __init__(self, folder: Path, budget: int):
-        self.folder, self.left = str(folder) + os.sep, budget
-
-    def __enter__(self):
-        import builtins
-        import io
-
-        self._open = io.open
-
-        def opener(file, mode="r", *args, **kwargs):
-            f = self._open(file, mode, *args, **kwargs)
-            if (isinstance(file, (str, os.PathLike)) and any(c in mode for c in "wax+")
-                    and os.path.abspath(file).startswith(self.folder)):
-                return _FillingFile(f, self)
-            return f
-        builtins.open = io.open = opener
-        return self
-
-    def __exit__(self, *exc):
-        import builtins
-        import io
-
-        builtins.open = io.open = self._open
-
-
-class _FillingFile:
-    def __init__(self, f, disk: FillingDisk):
-        self._f, self._disk = f, disk
-
-    def write(self, data):
-        n = len(data) if isinstance(data, str) else memoryview(data).nbytes
-        if n > self._disk.left:
-            import errno
-
-            fits, self._disk.left = self._disk.left, 0
-            self._f.write(data[:fits] if isinstance(data, str) else memoryview(data).cast("B")[:fits])
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), self._f.name)
-        self._disk.left -= n
-        return self._f.write(data)
-
-    def __getattr__(self, name):
-        return getattr(self._f, name)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self._f.close()
-
-
-# ... or make the loss of these steps NaN (comma-separated), to exercise the non-finite path
-FAULT_NAN_STEPS = {int(x) for x in os.environ.get("GRT_FAULT_NAN_STEPS", "").split(",") if x.strip()}
 
 
 def attempt(fn, *args) -> tuple:
@@ -374,11 +279,11 @@ class Trainer:
         state = {"step": self.step, "loader": self.loader.state_dict(), "recipe": self.cfg.to_dict(),
                  "mlflow_run_id": self.tracker_run_id, "info": self.info, "skipped_steps": self.skipped_steps,
                  "world_size": self.backend.world_size}
-        if self.step == FAULT_DISK_FULL[0] and FAULT_DISK_FULL[2] in (None, self.backend.rank):
-            self._filling_disk = FillingDisk(tmp, FAULT_DISK_FULL[1]).__enter__()  # left by finish_save
-        with slowed_first_write(FAULT_SLOW_SAVE_S if self.backend.is_main else 0):
+        if self.step == faults.FAULT_DISK_FULL[0] and faults.FAULT_DISK_FULL[2] in (None, self.backend.rank):
+            self._filling_disk = faults.FillingDisk(tmp, faults.FAULT_DISK_FULL[1]).__enter__()  # left by finish_save
+        with faults.slowed_first_write(faults.FAULT_SLOW_SAVE_S if self.backend.is_main else 0):
             pending, error = attempt(self.backend.save_model_optimizer, self.model, self.optimizer, tmp, state)
-        if self.step == FAULT_KILL_IN_SAVE:
+        if self.step == faults.FAULT_KILL_IN_SAVE:
             os.kill(os.getpid(), signal.SIGKILL)
         self._pending_save = (pending, self.step, t0, rss, error)
         if pending is None:
@@ -513,7 +418,7 @@ class Trainer:
             with be.no_sync(self.model, last):
                 with self.autocast():
                     _, loss = self.model(x, y, n_steps=depth)
-                if self.step + 1 in FAULT_NAN_STEPS:
+                if self.step + 1 in faults.FAULT_NAN_STEPS:
                     loss = loss * float("nan")
                 be.backward(self.model, loss, self.accum, last)
             loss_sum += loss.detach()
@@ -621,10 +526,10 @@ class Trainer:
                         f"{self.bad_steps} non-finite steps in a row (the last at step {self.step}), each "
                         f"skipped; stopping. Last good checkpoint: {last[-1] if last else 'none'}. Lower "
                         f"train.lr or check the data, then resume.")
-                if self.step == FAULT_KILL_AT_STEP and FAULT_KILL_RANK in (None, self.backend.rank):
+                if self.step == faults.FAULT_KILL_AT_STEP and faults.FAULT_KILL_RANK in (None, self.backend.rank):
                     os.kill(os.getpid(), signal.SIGKILL)  # fault injection for the tests: die like `kill -9`
-                if self.step == FAULT_SIGNAL_AT_STEP[0] and self.backend.rank == 0:
-                    os.kill(os.getpid(), FAULT_SIGNAL_AT_STEP[1])  # the tests' Ctrl-C / SIGTERM at a known step
+                if self.step == faults.FAULT_SIGNAL_AT_STEP[0] and self.backend.rank == 0:
+                    os.kill(os.getpid(), faults.FAULT_SIGNAL_AT_STEP[1])  # the tests' Ctrl-C / SIGTERM at a known step
                 stop = self._stop_signal_agreed()
                 # stopping: the save comes first (launchers give the ranks ~30 s after a signal)
                 if (self.step % tc.eval_interval == 0 and not stop) or self.step == tc.max_steps:

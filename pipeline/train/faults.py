@@ -1,0 +1,108 @@
+"""Testing hooks, set by environment variables (GRT_FAULT_*), that make the trainer fail the way real jobs do at a
+chosen point: a rank killed, a signal, a slow or full disk during a save, non-finite losses. Read once at import;
+the tests set them in the environment of the processes they start (or monkeypatch this module's constants)."""
+from __future__ import annotations
+
+import builtins
+import contextlib
+import errno
+import io
+import os
+import signal
+import time
+from pathlib import Path
+
+import torch
+
+# Testing hooks: every rank (or only GRT_FAULT_KILL_RANK) SIGKILLs itself right after logging this step.
+FAULT_KILL_AT_STEP = int(os.environ.get("GRT_FAULT_KILL_AT_STEP", "0") or 0)
+FAULT_KILL_RANK = int(os.environ["GRT_FAULT_KILL_RANK"]) if os.environ.get("GRT_FAULT_KILL_RANK") else None
+# ... or while saving the checkpoint of this step (its files written, not yet published)
+FAULT_KILL_IN_SAVE = int(os.environ.get("GRT_FAULT_KILL_IN_SAVE", "0") or 0)
+# ... or send this signal (name or number; default SIGINT) to rank 0 itself right after this step: "STEP[:SIGNAL]"
+_fault_signal = os.environ.get("GRT_FAULT_SIGNAL_AT_STEP", "").partition(":")
+FAULT_SIGNAL_AT_STEP = (int(_fault_signal[0] or 0), getattr(signal, _fault_signal[2] or "SIGINT", None)
+                        or signal.Signals(int(_fault_signal[2])))
+# ... or make rank 0's first torch.save of each checkpoint (state.pt; DeepSpeed's model states) take this many seconds
+# longer, after any gather the save does first: slow network storage
+FAULT_SLOW_SAVE_S = float(os.environ.get("GRT_FAULT_SLOW_SAVE_S", "0") or 0)
+
+
+@contextlib.contextmanager
+def slowed_first_write(seconds: float):
+    if not seconds:
+        yield
+        return
+    save, slowed = torch.save, []
+
+    def slow_save(*args, **kwargs):
+        if not slowed:
+            slowed.append(True)
+            time.sleep(seconds)
+        return save(*args, **kwargs)
+    torch.save = slow_save
+    try:
+        yield
+    finally:
+        torch.save = save
+
+
+# ... or fill the disk during the save of a step: once this rank has written BYTES bytes into that step's staging
+# folder, every further write there fails with ENOSPC, from inside torch.save and DCP's writer ("STEP:BYTES[:RANK]",
+# every rank without RANK)
+_fault_disk = os.environ.get("GRT_FAULT_DISK_FULL", "").split(":")
+FAULT_DISK_FULL = (int(_fault_disk[0] or 0), int(_fault_disk[1]) if len(_fault_disk) > 1 else 0,
+                   int(_fault_disk[2]) if len(_fault_disk) > 2 else None)
+
+
+class FillingDisk:
+    """While entered, files opened for writing under ``folder`` take ``budget`` bytes in all, then fail as a full disk
+    does: the bytes that fit are written, then OSError(ENOSPC). Every file write of a save goes through ``open``
+    (``Path.open`` calls ``io.open``), so the error rises where a real one would."""
+
+    def __init__(self, folder: Path, budget: int):
+        self.folder, self.left = str(folder) + os.sep, budget
+
+    def __enter__(self):
+        self._open = io.open
+
+        def opener(file, mode="r", *args, **kwargs):
+            f = self._open(file, mode, *args, **kwargs)
+            if (isinstance(file, (str, os.PathLike)) and any(c in mode for c in "wax+")
+                    and os.path.abspath(file).startswith(self.folder)):
+                return _FillingFile(f, self)
+            return f
+        builtins.open = io.open = opener
+        return self
+
+    def __exit__(self, *exc):
+        builtins.open = io.open = self._open
+
+
+class _FillingFile:
+    """A file under a FillingDisk: its writes spend the disk's budget."""
+
+    def __init__(self, f, disk: FillingDisk):
+        self._f, self._disk = f, disk
+
+    def write(self, data):
+        n = len(data) if isinstance(data, str) else memoryview(data).nbytes
+        if n > self._disk.left:
+            fits, self._disk.left = self._disk.left, 0
+            self._f.write(data[:fits] if isinstance(data, str) else memoryview(data).cast("B")[:fits])
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), self._f.name)
+        self._disk.left -= n
+        return self._f.write(data)
+
+    def __getattr__(self, name):
+        return getattr(self._f, name)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self._f.close()
+
+
+# ... or make the loss of these steps NaN (comma-separated), to exercise the non-finite path
+FAULT_NAN_STEPS = {int(x) for x in os.environ.get("GRT_FAULT_NAN_STEPS", "").split(",") if x.strip()}
