@@ -33,7 +33,8 @@ def meet(plan: Plan, timeout_s: float) -> None:
     at = f"{plan.master_addr}:{plan.master_port}"
     cause = (f"the port comes from {plan.port_source}: all nodes must use the same name= (the port is derived from "
              f"it) and the same --master-addr/--master-port")
-    fix = f"start every node with the same recipe and overrides (or raise --rendezvous-timeout, now {timeout_s:g} s)"
+    fix = (f"start every node with the same recipe and overrides (if a node is only slow to start, raise "
+           f"--rendezvous-timeout, now {timeout_s:g} s)")
     deadline = time.monotonic() + timeout_s
     try:
         if k > 0:

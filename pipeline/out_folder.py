@@ -11,6 +11,9 @@ def check_replaceable(out: Path, marker: str, command: str, source: Path | None 
     """Raise :class:`FileExistsError` unless ``out`` is new, empty, or a folder ``command`` wrote earlier (``marker``
     in it) that holds no run; ``out`` is never ``source`` (the folder read from) or a folder above it."""
     out = Path(out)
+    if out.is_symlink():  # replacing it would replace the link, or delete through it: neither is asked for
+        raise FileExistsError(f"--out {out} is a symbolic link (to {out.resolve()}): give the folder's own path, or a "
+                              f"new folder")
     if source is not None:
         here, src = out.resolve(), Path(source).resolve()
         if here == src or here in src.parents:

@@ -67,6 +67,13 @@ def test_convert_out_replaces_only_a_folder_convert_wrote(tmp_path, capsys):
     assert sorted(p.name for p in out.iterdir()) == ["grt_convert.json", "index.json", "model.safetensors",
                                                      "recipe.yaml"]
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no staging folder left
+    # a symbolic link to it is refused in one line (replacing it would replace the link, or delete through it)
+    link = tmp_path / "link"
+    link.symlink_to(out)
+    capsys.readouterr()
+    assert grt(["checkpoint", "convert", str(run), "--to", "full", "--out", str(link)]) != 0
+    assert "is a symbolic link" in one_error_line(capsys)
+    assert link.is_symlink() and (out / "model.safetensors").is_file()
     # ... but not once a run was moved into it
     shutil.copytree(runs / "sibling", out / "sibling")
     assert grt(["checkpoint", "convert", str(run), "--to", "full", "--out", str(out)]) != 0
@@ -153,5 +160,6 @@ def test_eval_of_an_unfinished_run_says_so_and_evaluates(tmp_path, corpus, capsy
     captured = capsys.readouterr()
     notes = [line for line in captured.err.splitlines() if line.startswith("note:")]
     assert notes == [f"note: {ckpts / 'step_00000002'} is at step 2 of 4 (train.max_steps): this evaluates an "
-                     f"unfinished run; `grt train` on its recipe trains the rest"], captured.err
+                     f"unfinished run; the command that trained it (`grt train`, or `grt launch` on every node) "
+                     f"resumes it"], captured.err
     assert (cfg.run_dir / "eval" / "exits.json").is_file()  # and it still evaluated

@@ -103,7 +103,7 @@ def unfinished_note(ckpt: Path, state: dict, max_steps: int) -> str | None:
         with contextlib.suppress(OSError, ValueError):
             why = f", stopped by {json.loads(stopped.read_text()).get('signal')} ({stopped})"
     return (f"note: {ckpt.parent} is at step {step} of {max_steps} (train.max_steps){why}: this evaluates an "
-            f"unfinished run; `grt train` on its recipe trains the rest")
+            f"unfinished run; the command that trained it (`grt train`, or `grt launch` on every node) resumes it")
 
 
 def evaluate(path: str | Path, overrides: list[str] | None = None, quiet: bool = False) -> dict:
