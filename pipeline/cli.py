@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import os
 import signal
@@ -372,6 +373,9 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, LookupError, ValueError, FloatingPointError) as e:
         if os.environ.get("GRT_DEBUG"):
             raise
+        if isinstance(e, OSError) and e.errno == errno.ENOSPC:  # a disk that filled outside a training run's saves
+            e = (f"disk full: no space left to write {e.filename or 'an output file'}; free space on its disk (or "
+                 f"point the command's output elsewhere) and run the same command again")
         print(f"error: {e}  (GRT_DEBUG=1 shows the traceback)", file=sys.stderr)
         return FAILED
 

@@ -52,3 +52,45 @@ def test_a_full_disk_during_a_full_format_save_stops_in_one_line_and_the_run_res
     assert step_losses(run_dir) == first  # step 3 trained again from the checkpoint: the same loss, exactly
     assert sorted(os.listdir(ckpts)) == ["step_00000002", "step_00000003"]
     assert not (run_dir / "stopped.json").exists()
+
+
+def test_a_disk_that_fills_outside_a_save_stops_in_one_line(tmp_path, corpus, monkeypatch, capsys):
+    """The disk fills while metrics.jsonl is flushed after step 3 (a full disk's flush raises ENOSPC with no file
+    name, as here): one line that says so and names the run folder, the intact step-2 checkpoint and the fix;
+    stopped.json; exit 1."""
+    import errno
+
+    import pipeline.train.callbacks as callbacks
+
+    recipe = tiny_recipe(tmp_path, corpus)
+    recipe["train"].update(max_steps=4, checkpoint_interval=2, eval_interval=4)
+    tokenize(from_dict(recipe).data, quiet=True)
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    run_dir = from_dict(recipe).run_dir
+
+    class FillsAtStep3:
+        def __init__(self, f):
+            self._f, self._full = f, False
+
+        def write(self, text):
+            self._full = self._full or '"step": 3,' in text
+            return self._f.write(text)
+
+        def flush(self):
+            if self._full:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            return self._f.flush()
+
+        def __getattr__(self, name):
+            return getattr(self._f, name)
+
+    monkeypatch.setattr(callbacks, "open", lambda *a, **k: FillsAtStep3(open(*a, **k)), raising=False)
+    capsys.readouterr()
+    assert grt(["train", str(path)]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: disk full at step 3: "), err
+    assert "Traceback" not in err and f"a file of {run_dir}" in err and " free of " in err, err
+    assert f"{run_dir / 'checkpoints' / 'step_00000002'}, is intact" in err and "run the same command again" in err
+    stopped = json.loads((run_dir / "stopped.json").read_text())
+    assert stopped["step"] == 2 and stopped["signal"] == "a full disk", stopped

@@ -116,9 +116,22 @@ def disk_full_message(ckpt_root: Path, step: int, cause: OSError | None, out_dir
             f"{cause.strerror}: {cause.filename}" if cause.filename else str(cause))
     tmp = staging_dir(ckpt_root, step).name
     return (f"disk full: the checkpoint of step {step} did not fit under {ckpt_root} (filesystem {mount}: "
-            f"{_mb(usage.free)} free of {_mb(usage.total)} now that its unfinished {tmp} is removed{need}; {what}). {resume[0].upper()}{resume[1:]}. Free space on {mount}, or move the run "
+            f"{_mb(usage.free)} free of {_mb(usage.total)} now that its unfinished {tmp} is removed{need}; {what}). "
+            f"{resume[0].upper()}{resume[1:]}. Free space on {mount}, or move the run "
             f"folder to a filesystem with room and pass out_dir= of its new parent (now {out_dir}); then run the "
             f"same command again")
+
+
+def disk_full_while_training(cause: OSError, step: int, run_dir: Path, newest: Path | None) -> str:
+    """One line for a disk that filled outside a save (a log or metrics file while training): the file, the
+    filesystem and its free space, the checkpoint the run resumes from, and the fix."""
+    target = Path(cause.filename) if cause.filename else run_dir
+    where = next(p for p in (target, *target.parents) if p.exists())
+    usage, mount = shutil.disk_usage(where), _mount_point(where)
+    resume = f"the newest checkpoint, {newest}, is intact" if newest else "no checkpoint was written yet"
+    return (f"disk full at step {step}: no space left to write {cause.filename or 'a file of ' + str(run_dir)} "
+            f"(filesystem {mount}: {_mb(usage.free)} free of {_mb(usage.total)}); {resume}. Free space on {mount} "
+            f"and run the same command again: it resumes from there")
 
 
 INDEX = "index.json"  # a checkpoint's integrity index, written last

@@ -34,10 +34,11 @@ from pipeline.model import model_class, model_info
 from pipeline.tokenize.bpe import tokenizer_identity
 from pipeline.tracking import open_training_tracker
 from pipeline.train.backend import build_backend
-from pipeline.train.callbacks import Callback, ConsoleLogger, TrackerCallback
 from pipeline.train import faults
-from pipeline.train.checkpoint import (INDEX, disk_full_cause, disk_full_message, hash_share, list_checkpoints,
-                                       load_checkpoint, prepare_staging, publish, set_aside_names, staging_dir)
+from pipeline.train.callbacks import Callback, ConsoleLogger, TrackerCallback
+from pipeline.train.checkpoint import (INDEX, disk_full_cause, disk_full_message, disk_full_while_training, hash_share,
+                                       list_checkpoints, load_checkpoint, prepare_staging, publish, set_aside_names,
+                                       staging_dir)
 from pipeline.train.data import SequenceLoader, TokenShards, check_shards, check_windows, validation_batches
 from pipeline.train.materialize import build_for_training
 from pipeline.train.mfu import device_peak_flops, peak_flops_report
@@ -564,6 +565,10 @@ class Trainer:
                 print(f"\naborted by a second Ctrl-C at step {self.step}, without saving; the newest checkpoint is "
                       f"{last[-1] if last else 'none'}", file=sys.stderr, flush=True)
             raise
+        except OSError as e:
+            if disk_full_cause(e) is None or isinstance(e, RankLost):
+                raise
+            raise self._stop_disk_full_outside_a_save(disk_full_cause(e)) from e
         except RuntimeError as e:  # a failed collective (gloo, NCCL, the store): is a rank gone?
             lost = self.backend.lost_ranks()
             if lost is None:
@@ -576,6 +581,19 @@ class Trainer:
             finally:
                 for s, h in handlers.items():
                     signal.signal(s, h)
+
+    def _stop_disk_full_outside_a_save(self, cause: OSError) -> DiskFull:
+        """A full disk met while training (a log, the metrics, a tracker's file) rather than inside a save: this rank
+        stops in one line, and stopped.json (a few hundred bytes) is written if it still fits."""
+        published = list_checkpoints(self.ckpt_dir)
+        newest = published[-1] if published else None
+        if self.backend.is_main:
+            with contextlib.suppress(OSError):
+                mark_stopped(self.run_dir, "a full disk", int(newest.name.split("_")[1]) if newest else 0,
+                             self.cfg.train.max_steps, newest if newest else Path("none"))
+        message = f"error: {disk_full_while_training(cause, self.step, self.run_dir, newest)}"
+        print(message, file=sys.stderr, flush=True)
+        return DiskFull(self.step, newest, message, report=False)
 
     def _rank_lost(self, lost: tuple[str, list[int]]) -> RankLost:
         """The one line (and stopped.json) of a rank that outlived another: who stopped answering, and what the
