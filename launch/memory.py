@@ -34,7 +34,9 @@ compute dtype since it starts as a Linear's output):
     pre-LN block          2 s BTd (LN inputs) + 14 a BTd (LN outputs, qkv 3, attention out, MLP 4 + 4)
                           + 4 (4BT LN statistics + BHT attention log-sum-exp)
     GRT step, no ckpt     n_core blocks + s BTd (state h) + 6 a BTd (noisy state, LN(h), f_g hidden x2, gate
-                          logits, proposal) [one fewer without state noise]; once: LN(h_pre) (a) and h_pre (s)
+                          logits, proposal) [one fewer without state noise]; once: LN(h_pre) (a) and h_pre (s);
+                          without reinjection or state noise the first core block's input is h (one a BTd fewer);
+                          h_pre (s) only when the gate or W_proj reads it and it is not step 1's saved state
     head (fused CE)       s BTd (final LN input) + 4 BTd (dL/dh, fp32) + 4 Vd (dL/dW, fp32)
     core_step             per step only its inputs: the state h; once: h_pre and the two anchor terms
     blocks                per block only its input; the gate, W_proj and noise are not checkpointed
@@ -290,24 +292,36 @@ def _grt(c, x: _Shapes, mode: str) -> Activations:
     # input) and each sublayer's output (scaled by B); the first block's streams are its input expanded (one copy's
     # worth, no n), and its LN_1 reads a mix of them, not the input
     hyper = (n_core * (2 * n + 2) - n + 1) * a * BTd if n > 1 else 0
-    # Once per forward: LN(h_pre) for f_g's anchor half; h_pre itself unless it is step 1's state (counted there).
-    h_pre_own = 0 if (c.init_state == "prelude" and gate and not free) else s * BTd
+    # without reinjection or state noise the core's input is the state h itself, already counted with the gate's
+    # tensors: the first core block does not save it again
+    h_in_core = a * BTd if gate and not c.reinject and not noisy else 0
+    # Once per forward: LN(h_pre) for f_g's anchor half; h_pre itself only when an anchor term reads it (the gate's
+    # LN, W_proj's h_pre half) and step 1 does not already save it as its state (init_state=prelude, a grad step):
+    # the gate's h, or without a gate and state noise W_proj's x half (reinject) or the first core block's input.
+    without_gate_saves_h = not gate and not noisy  # without a gate the step's first consumer saves h itself
+    # h^(0) = h_pre itself: init_state=prelude without the 'init' state noise (h_pre + eps, a tensor of its own)
+    h0_is_pre = c.init_state == "prelude" and not (c.state_noise == "init" and c.sigma_x > 0)
+    h_pre_is_state = h0_is_pre and not free and (gate or without_gate_saves_h)
+    h_pre_own = 0 if h_pre_is_state or not (gate or c.reinject) else s * BTd
     anchor_once = (a * BTd + ln_stats if gate else 0) + h_pre_own
     if mode == "none":
-        saved = embed + outer * blk_s + R * (n_core * blk_a + step_extra + hyper) + anchor_once + head
+        saved = embed + outer * blk_s + R * (n_core * blk_a + step_extra + hyper - h_in_core) + anchor_once + head
         return Activations(saved, 0.0, head_ws)
     if mode == "core_step":
         # The checkpoint holds each step's inputs: the state h (h_pre at step 1 when init_state=prelude), h_pre,
         # and the two anchor terms W_a h_pre + b and W1_a LN(h_pre) + b1 that step 1 returns to the others.
         anchors = ((a if c.reinject else 0) + (a if gate else 0)) * BTd
-        h_pre_ckpt = 0 if c.init_state == "prelude" and not free else s * BTd
+        h_pre_ckpt = 0 if h0_is_pre and not free else s * BTd
         saved = embed + outer * blk_s + R * s * BTd + h_pre_ckpt + anchors + head
         # Recomputing step 1 (the largest: it also computes the anchor terms); its inputs are counted above.
-        region = n_core * blk_a + step_extra + hyper - (s * BTd if gate else 0) + (a * BTd + ln_stats if gate else 0)
+        # The step's input h is a checkpoint input: not new where the gate or (without one) its first consumer saves it
+        region = (n_core * blk_a + step_extra + hyper - h_in_core - (s * BTd if gate else 0)
+                  - (a * BTd if without_gate_saves_h else 0)
+                  + (a * BTd + ln_stats if gate else 0))
         return Activations(saved, region, head_ws)
     # blocks: every block keeps only its input (a hyper-connected core block after the first: its n streams); W_proj,
     # the gate and the noise are not checkpointed
-    core_inputs = (1 + (n_core - 1) * n) * a * BTd
+    core_inputs = (1 + (n_core - 1) * n) * a * BTd - h_in_core
     saved = embed + outer * s * BTd + R * (core_inputs + step_extra) + anchor_once + head
     core_region = blk_a - a * BTd if n == 1 else blk_a + (n + 2) * a * BTd  # its input (x or n streams) held
     region = max(blk_s - s * BTd if outer else 0, core_region)

@@ -18,7 +18,8 @@ and the head are as in launch/memory.py unless said.
                           input and gather source) + a B n_r d (the router's autocast cast, a != s only) + s B k_r d
                           (the core's output, saved by the weighted update) + (2a + 8) B n_r (router logits and
                           sigmoid, the BCE's fp32 logits and top-k membership target) + (a + 16) B k_r (the gathered
-                          weights, int64 indices of the chosen: in the candidates and in the sequence)
+                          weights, int64 indices of the chosen: in the candidates and in the sequence; r = 0: one
+                          tensor, a + 8)
       core_step           per recursion only its inputs: h (s BTd) and the previous recursion's indices (8 B n_r).
                           Region: the largest recursion (r = 0: k_0 = T) without its inputs
       blocks              per recursion the routing terms above + each core block's input (s B k_r d) and the core's
@@ -34,7 +35,8 @@ and the head are as in launch/memory.py unless said.
                           and recomputes the logits in backward: no dL/dh, dL/dW) + a BTd when a != s (the exit
                           gate's autocast cast of h_t, loops t < T); once: h_T (s BTd), the int64 targets (8 BT) and
                           the loss over the loops: 12 BT T (the stacked CE_t, p, log p) + 8 BT (T - 1) (the gate
-                          logits and their negation, logsigmoid's inputs)
+                          logits and their negation, logsigmoid's inputs; on the CPU logsigmoid also keeps a buffer
+                          of its input's size, not on CUDA) + BT + 8 (the target mask and the token count)
       core_step           per loop only its input h_{t-1} (s BTd); region: one loop (blocks + loop norm)
       blocks              per block only its input; the loop norm, the heads and the gate are not checkpointed
 
@@ -106,7 +108,9 @@ def mor(c, x: _Shapes, mode: str) -> Activations:
         n, k = candidates[r], chosen[r]
         gathered = s * B * n * d if r > 0 else 0  # the candidates h[C_r]: the router's input, the chosen's source
         cast = a * B * n * d if a != s else 0  # the router's own autocast cast of its input
-        small = (2 * a + 8) * B * n + (a + 16) * B * k  # logits, sigmoid, BCE fp32 logits/target; weights, indices
+        # logits, sigmoid, BCE fp32 logits/target; the gathered weights and the chosen's int64 indices among the
+        # candidates and (r > 0) in the sequence: at r = 0 one tensor (top-k's own indices are freed with its values)
+        small = (2 * a + 8) * B * n + (a + (16 if r > 0 else 8)) * B * k
         return gathered + cast + s * B * k * d + small  # + the core's output (weighted update)
 
     outside = x.embed() + (c.n_prelude + c.n_coda) * x.block(s) + x.mean_head(s)
@@ -147,7 +151,9 @@ def ouro(c, x: _Shapes, mode: str) -> Activations:
     gate_casts = (T_loops - 1) * a * BTd if a != s else 0
     per_loop = s * BTd + x.ln_stats() + 4 * BT  # loop norm input and statistics, the CE's logsumexp
     loss = 12 * BT * T_loops + 8 * BT * (T_loops - 1)
-    outside = x.embed() + s * BTd + 8 * BT + gate_casts + loss  # + h_T and the targets, saved by the last CE
+    # + h_T and the targets, saved by the last CE; the mean over the tokens with a target: the bool mask (BT) and
+    # the int64 count it divides by
+    outside = x.embed() + s * BTd + 8 * BT + gate_casts + loss + BT + 8
     # the per-token CE's backward (once per loop): a recomputed chunk of logits (fp32 + its compute-dtype softmax),
     # dL/dW in fp32 with one chunk's product, dL/dh, the weight cast
     workspace = x.chunk_rows() * x.V * (4 + a) + 8 * x.V * x.d + s * BTd + x.weight_cast()
