@@ -370,6 +370,14 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:  # Ctrl-C outside training, or a second one during it
         print("interrupted (Ctrl-C)", file=sys.stderr)
         return stopped_status(signal.SIGINT)
+    except RuntimeError as e:  # torch.OutOfMemoryError (torch imported lazily: only if the command imported it)
+        torch = sys.modules.get("torch")
+        if torch is None or not isinstance(e, torch.OutOfMemoryError) or os.environ.get("GRT_DEBUG"):
+            raise
+        from pipeline.train.peers import failure_line
+
+        print(f"error: {failure_line(e)}", file=sys.stderr, flush=True)
+        return FAILED
     except (OSError, LookupError, ValueError, FloatingPointError) as e:
         if os.environ.get("GRT_DEBUG"):
             raise

@@ -363,6 +363,9 @@ class TrainConfig:
     compile: bool = False  # torch.compile each block / recurrence step; the loop over r stays eager (no recompiles)
     fused_ops: str = "auto"  # gate/noise ops: auto (Triton on CUDA) | reference (plain PyTorch) | triton (forced)
     collective_timeout_s: int = 600  # a rank that stops answering makes the others fail after this long
+    # a rank whose heartbeat stood still this long (frozen, or its node gone) stops the others with one line, even
+    # where a collective would wait collective_timeout_s for it (NCCL): 0 turns the watch off
+    heartbeat_timeout_s: float = 60
     max_bad_steps: int = 5  # consecutive non-finite steps (skipped) before the run stops
     device: str = "auto"  # auto | cpu | cuda
     dtype: str = "auto"  # autocast dtype: auto (bf16 where supported, else fp32) | float32 | bfloat16
@@ -430,6 +433,9 @@ class TrainConfig:
                                         "eval_interval", "eval_batches", "checkpoint_interval", "keep_checkpoints",
                                         "collective_timeout_s", "max_bad_steps"), 1)
         p += _at_least(self, "train", ("warmup_steps",), 0)
+        if self.heartbeat_timeout_s != 0 and not self.heartbeat_timeout_s >= 3:
+            p.append(f"train.heartbeat_timeout_s must be 0 (off) or >= 3 (seconds: the heartbeat beats every second), "
+                     f"got {self.heartbeat_timeout_s}")
         if self.bptt_k is not None and self.bptt_k < 1:
             p.append(f"train.bptt_k must be >= 1 (or null: the model's own backprop_steps), got {self.bptt_k}")
         if self.lr <= 0 or self.min_lr < 0 or self.min_lr > self.lr:

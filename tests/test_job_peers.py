@@ -3,7 +3,11 @@
 - started with different recipes (another train.lr, another model.d_model on node 1), every rank stops before any
   model is built, with one line naming each differing key and which node holds which value;
 - a rank killed mid-training (kill -9): the survivor exits non-zero with one line naming the dead rank, its node and
-  the last intact checkpoint, and writes stopped.json; no gloo traceback.
+  the last intact checkpoint, and writes stopped.json; no gloo traceback;
+- a rank frozen (SIGSTOP: its sockets stay open, as NCCL would wait): the survivor's heartbeat watch reports it in the
+  same line within train.heartbeat_timeout_s, not the collective timeout;
+- a rank that fails with an error (a simulated out of memory): it prints one line, the survivor names that error;
+- node 0 (the store's host) killed: the survivor's one line names it, with no C++ stack of torch's store client.
 """
 from __future__ import annotations
 
@@ -20,7 +24,8 @@ from conftest import free_port, launched_recipe, subprocess_env
 REPO = Path(__file__).resolve().parents[1]
 
 
-def two_nodes(recipe: Path, name: str, per_node: list[list[str]], timeout: int = 120, **env) -> list:
+def two_nodes(recipe: Path, name: str, per_node: list[list[str]], timeout: int = 120, frozen: bool = False,
+              **env) -> list:
     """Node 0 and node 1, one rank each, started the way torchrun starts its workers (RANK, WORLD_SIZE, MASTER_ADDR,
     MASTER_PORT, GROUP_RANK = the node rank; rank 0 hosts the store) but without torchrun's agents: half the
     processes to start, and no agent to kill the survivor, as on two real nodes."""
@@ -31,7 +36,11 @@ def two_nodes(recipe: Path, name: str, per_node: list[list[str]], timeout: int =
                                                             LOCAL_WORLD_SIZE="1", GROUP_RANK=str(k),
                                                             MASTER_ADDR="127.0.0.1", MASTER_PORT=port, **env))
              for k, extra in enumerate(per_node)]
-    return [(p, *p.communicate(timeout=timeout)) for p in procs]
+    if not frozen:
+        return [(p, *p.communicate(timeout=timeout)) for p in procs]
+    first = (procs[0], *procs[0].communicate(timeout=timeout))  # the survivor of a frozen (SIGSTOPped) rank 1
+    procs[1].kill()
+    return [first, (procs[1], *procs[1].communicate(timeout=timeout))]
 
 
 def worker_lines(err: str) -> list[str]:
@@ -84,6 +93,49 @@ def test_nodes_with_different_recipes_stop_and_a_dead_rank_is_named(tmp_path):
     stopped = json.loads((run / "stopped.json").read_text())
     assert (stopped["step"], stopped["checkpoint"], stopped["max_steps"]) == (6, str(ckpt), 40)
     assert "rank 1" in stopped["signal"]
+
+    # rank 1 frozen (SIGSTOP: its sockets stay open, so gloo waits as NCCL would) after step 4: the survivor's heartbeat
+    # watch (4 s) reports it long before the collective timeout (60 s), with the same line and stopped.json
+    t0 = time.time()
+    (p0, out0, err0), _ = two_nodes(recipe, "frozen", [["train.heartbeat_timeout_s=4"]] * 2, frozen=True,
+                                    GRT_FAULT_KILL_AT_STEP="4", GRT_FAULT_KILL_RANK="1", GRT_FAULT_KILL_SIGNAL="SIGSTOP")
+    frozen_s = time.time() - t0
+    run = tmp_path / "runs" / "frozen"
+    ckpt = run / "checkpoints" / "step_00000003"
+    assert p0.returncode == 1, (p0.returncode, err0[-3000:])
+    assert frozen_s < 40, frozen_s  # not the 60 s collective timeout
+    lines = worker_lines(err0)
+    assert len(lines) == 1 and "rank 1 (node 1, host " in lines[0] and "stopped answering" in lines[0], err0[-3000:]
+    assert f"last intact checkpoint: step 3 at {ckpt}" in lines[0], lines[0]
+    stopped = json.loads((run / "stopped.json").read_text())
+    assert (stopped["step"], stopped["checkpoint"]) == (3, str(ckpt)) and "rank 1" in stopped["signal"]
+
+    # rank 1 fails (a simulated out-of-memory error after step 4): it prints one line, and rank 0 names its error
+    t0 = time.time()
+    (p0, _, err0), (p1, _, err1) = two_nodes(recipe, "oom", [[], []], GRT_FAULT_RAISE_AT_STEP="4:1")
+    oom_s = time.time() - t0
+    assert p0.returncode == 1 and p1.returncode == 1, (p0.returncode, p1.returncode, err1[-3000:])
+    lines1 = worker_lines(err1)
+    assert len(lines1) == 1 and lines1[0].startswith("error: out of memory on the CPU: lower train.micro_batch_size"), \
+        err1[-3000:]
+    assert "Traceback" not in err1, err1[-3000:]
+    lines = worker_lines(err0)
+    assert len(lines) == 1, err0[-3000:]
+    assert "rank 1 (node 1, host " in lines[0] and "failed: out of memory on the CPU" in lines[0], lines[0]
+    assert "stopped answering" not in lines[0] and "Fix the cause before relaunching" in lines[0], lines[0]
+
+    # node 0 (the store's host) dies after step 4: rank 1 says so in one line, with no C++ stack of the store client
+    t0 = time.time()
+    (p0, _, _), (p1, _, err1) = two_nodes(recipe, "node0", [[], []], GRT_FAULT_KILL_AT_STEP="4",
+                                          GRT_FAULT_KILL_RANK="0")
+    node0_s = time.time() - t0
+    print(f"frozen run {frozen_s:.1f} s, failing run {oom_s:.1f} s, node 0 run {node0_s:.1f} s")
+    assert p0.returncode == -9 and p1.returncode == 1, (p0.returncode, p1.returncode)
+    lines = worker_lines(err1)
+    assert len(lines) == 1 and lines[0].startswith("error: node 0 (host "), err1[-3000:]
+    assert "rank 0) stopped answering (the launcher's store it hosts at 127.0.0.1:" in lines[0], lines[0]
+    assert "is gone) during step 5, so rank 1 stops too" in lines[0], lines[0]
+    assert "frame #" not in err1 and "recvValue" not in err1, err1[-3000:]
 
 
 def test_nodes_launched_under_different_names_are_named_not_waited_for(tmp_path):

@@ -16,6 +16,8 @@ import datetime
 import math
 import os
 import shutil
+import threading
+import time
 from pathlib import Path
 
 import torch
@@ -144,10 +146,17 @@ class SingleProcess:
     def check_same_job(self, recipe: dict) -> None:
         """Refuse to start when the nodes were given different recipes or code (one process: nothing to compare)."""
 
-    def lost_ranks(self) -> tuple[str, list[int]] | None:
-        """After a failed collective: which ranks stopped answering (in words, and their numbers); None when every
-        rank still does."""
+    def lost_ranks(self) -> tuple[str, list[int], bool] | None:
+        """After a failed collective: which ranks failed with an error or stopped answering (in words, their numbers,
+        and whether they failed rather than fell silent); None when every rank still answers."""
         return None
+
+    def watch_peers(self, timeout_s: float, on_lost) -> None:
+        """While training: call ``on_lost(lost_ranks()-style tuple)`` from a background thread when another rank
+        failed or fell silent for ``timeout_s`` (``on_lost`` ends the process). One process: nobody to watch."""
+
+    def report_failure(self, line: str) -> None:
+        """This rank's training ends with an error: tell the other ranks its one line."""
 
     def close(self, ok: bool = True) -> None:
         pass
@@ -292,18 +301,48 @@ class TorchDistributed(SingleProcess):
         wrapper: a different d_model would otherwise surface as a DDP/FSDP traceback) and stops on a difference."""
         self.nodes = compare_job(recipe, self.rank, self.world_size, self._patient_group)
 
-    def lost_ranks(self) -> tuple[str, list[int]] | None:
+    def lost_ranks(self) -> tuple[str, list[int], bool] | None:
         hb = self._heartbeat
         if hb is None:
             return None
+        if not hb.claim_report():  # the heartbeat thread is reporting the loss already, then ends the process
+            threading.Event().wait()
+        # a killed peer's sockets close one by one: the collective's may fail before the store's listening one is
+        # gone, and torch's store client, asked then, prints a C++ stack trace before it raises
+        time.sleep(2 * hb.interval)
+        if not hb.store_up():
+            return self._describe_lost(("store", None))
+        try:
+            failed = hb.failures()
+        except Exception:  # noqa: BLE001 — the store went meanwhile: silent_ranks says so
+            failed = {}
+        if failed:
+            return self._describe_lost(("failed", failed))
         silent = hb.silent_ranks()
-        if silent is None:  # the store lives on node 0 (torchrun's agent there, or rank 0 itself)
+        if silent is None:
+            return self._describe_lost(("store", None))
+        return self._describe_lost(("silent", silent)) if silent else None
+
+    def _describe_lost(self, state) -> tuple[str, list[int], bool]:
+        """What the heartbeat saw (peers.Heartbeat.watch's states), in words, for the one line of RankLost."""
+        kind, detail = state
+        if kind == "store":  # the store lives on node 0 (torchrun's agent there, or rank 0 itself)
             node0 = [r for r, n in enumerate(self.nodes) if n == self.nodes[0]]
-            return (f"node 0 (ranks {rank_list(node0)}, {where(0, self.nodes)}) stopped answering: the launcher's "
-                    f"store it hosts at {hb.address} cannot be reached", node0)
-        if not silent:
-            return None
-        return ", ".join(f"rank {r} ({where(r, self.nodes)})" for r in silent) + " stopped answering", silent
+            ranks = f"rank{'s' if len(node0) > 1 else ''} {rank_list(node0)}"
+            return (f"node 0 (host {self.nodes[0][1]}, {ranks}) stopped answering (the launcher's store it hosts at "
+                    f"{self._heartbeat.address} is gone)", node0, False)
+        if kind == "failed":
+            return "; ".join(f"rank {r} ({where(r, self.nodes)}) failed: {line}" for r, line in detail.items()), \
+                sorted(detail), True
+        return ", ".join(f"rank {r} ({where(r, self.nodes)})" for r in detail) + " stopped answering", detail, False
+
+    def watch_peers(self, timeout_s: float, on_lost) -> None:
+        if self._heartbeat is not None:
+            self._heartbeat.watch(timeout_s, lambda state: on_lost(self._describe_lost(state)))
+
+    def report_failure(self, line: str) -> None:
+        if self._heartbeat is not None:
+            self._heartbeat.fail(line)
 
     def all_true(self, flag: bool, patient: bool = False) -> bool:
         if patient:
@@ -331,14 +370,14 @@ class TorchDistributed(SingleProcess):
         """``ok``: every rank got here the same way (finished or stopped together), so they wait for each other
         before the group goes; after a failure of some ranks that barrier would pair with whatever collective the
         others are in, so the group is torn down at once (their collectives fail: the error they should see)."""
-        if self._heartbeat is not None:
+        if dist.is_initialized() and ok:
+            try:
+                dist.barrier()  # nobody tears the group down while a peer is still in a collective
+            except Exception:  # a peer is gone: the error that brought us here is the one to report
+                pass
+        if self._heartbeat is not None:  # after the barrier: a rank waiting in it still beats for the others' watch
             self._heartbeat.stop()
         if dist.is_initialized():
-            if ok:
-                try:
-                    dist.barrier()  # nobody tears the group down while a peer is still in a collective
-                except Exception:  # a peer is gone: the error that brought us here is the one to report
-                    pass
             dist.destroy_process_group()
 
 

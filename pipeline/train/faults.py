@@ -17,6 +17,16 @@ import torch
 # Testing hooks: every rank (or only GRT_FAULT_KILL_RANK) SIGKILLs itself right after logging this step.
 FAULT_KILL_AT_STEP = int(os.environ.get("GRT_FAULT_KILL_AT_STEP", "0") or 0)
 FAULT_KILL_RANK = int(os.environ["GRT_FAULT_KILL_RANK"]) if os.environ.get("GRT_FAULT_KILL_RANK") else None
+# ... with this signal instead of SIGKILL (SIGSTOP: a frozen rank whose sockets stay open, as after a power loss)
+FAULT_KILL_SIGNAL = getattr(signal, os.environ.get("GRT_FAULT_KILL_SIGNAL") or "SIGKILL")
+# ... or raise a (simulated) torch.OutOfMemoryError on rank RANK right after logging STEP: "STEP:RANK"
+_fault_raise = os.environ.get("GRT_FAULT_RAISE_AT_STEP", "").partition(":")
+FAULT_RAISE_AT_STEP = (int(_fault_raise[0] or 0), int(_fault_raise[2] or 0))
+
+
+def raise_at_step(step: int, rank: int) -> None:
+    if step == FAULT_RAISE_AT_STEP[0] and rank == FAULT_RAISE_AT_STEP[1]:
+        raise torch.OutOfMemoryError(f"simulated out of memory at step {step} on rank {rank} (GRT_FAULT_RAISE_AT_STEP)")
 # ... or while saving the checkpoint of this step (its files written, not yet published)
 FAULT_KILL_IN_SAVE = int(os.environ.get("GRT_FAULT_KILL_IN_SAVE", "0") or 0)
 # ... or send this signal (name or number; default SIGINT) to rank 0 itself right after this step: "STEP[:SIGNAL]"

@@ -148,17 +148,42 @@ def compare_job(recipe: dict, rank: int, world_size: int, group) -> list[tuple[i
                       f"code (keys that may differ per node: {', '.join(PER_NODE_KEYS)})")
 
 
+def failure_line(e: BaseException) -> str:
+    """One line for an exception that ends a rank: what `grt` prints as ``error: ...`` and what the other ranks
+    name (a real or simulated torch.OutOfMemoryError gets the recipe keys that lower the memory)."""
+    import sys
+
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(e, torch.OutOfMemoryError):
+        device = (f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() and torch.cuda.is_initialized()
+                  else "the CPU")
+        return (f"out of memory on {device}: lower train.micro_batch_size (raise train.grad_accum_steps to keep the "
+                f"batch) or set train.activation_checkpointing=core_step (or blocks)")
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0]}" if text else type(e).__name__
+
+
 class Heartbeat:
     """A counter per rank in the launcher's TCP store (torchrun's agent, or rank 0's store under other launchers),
     raised every ``interval`` seconds by a daemon thread. It runs while the main thread waits in a collective, so
     after a collective fails, the ranks whose counters stand still are the ones that died (or whose node did); a
-    store that cannot be reached means its host, node 0, is gone."""
+    store that cannot be reached means its host, node 0, is gone. A rank whose training fails with an error leaves its
+    one line under ``grt/heartbeat/failed/<rank>``, so that the others name the error rather than a silence.
+
+    :meth:`watch` makes the same thread judge the others as well: on NCCL a collective with a dead or frozen peer does
+    not fail in Python (the survivors wait for the collective timeout, then NCCL's watchdog aborts them), so the
+    thread itself reports a peer that failed, fell silent or took the store with it, and ends the process."""
+
+    WATCH_EVERY_S = 5.0  # how often a watching rank reads the others' counters (one multi_get of world_size keys)
 
     def __init__(self, rank: int, world_size: int, interval: float = 1.0):
         import torch.distributed as dist
 
         self.rank, self.world_size, self.interval = rank, world_size, interval
-        self.address = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+        self.host, self.port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+        self.address = f"{self.host}:{self.port}"
+        self._watch: tuple[float, object] | None = None  # (timeout_s, on_lost) once watch() is called
+        self._reported = threading.Lock()  # held by whichever thread reports a lost peer: one report per process
         # a connection of its own: the training's store client is never shared with this thread
         client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
                                timeout=datetime.timedelta(seconds=10), wait_for_workers=False)
@@ -178,15 +203,86 @@ class Heartbeat:
         except Exception:  # noqa: BLE001 — no heartbeat costs only the naming of a dead rank, never the run
             return None
 
+    def store_up(self) -> bool:
+        """A plain socket connect to the store: torch's client, asked while the server is gone, prints a C++ stack
+        trace before it raises."""
+        try:
+            socket.create_connection((self.host, self.port), timeout=2).close()
+            return True
+        except OSError:
+            return False
+
+    def watch(self, timeout_s: float, on_lost) -> None:
+        """From now on the heartbeat thread calls ``on_lost(state)`` (once, then it is up to ``on_lost`` to end the
+        process) when another rank failed (``("failed", {rank: line})``), its counter stood still for ``timeout_s``
+        (``("silent", [ranks])``) or the store stayed unreachable that long (``("store", None)``). 0: off."""
+        if timeout_s > 0:
+            self._watch = (timeout_s, on_lost)
+
+    def claim_report(self) -> bool:
+        """True for the first caller only: the main thread after a failed collective, or the watching thread."""
+        return self._reported.acquire(blocking=False)
+
     def _beat(self) -> None:
+        last_seen: dict[int, tuple[int, float]] = {}  # rank -> (counter, when it last moved)
+        store_gone_since, next_look = None, time.monotonic()
         while not self._stop.wait(self.interval):
+            now = time.monotonic()
+            if not self.store_up():  # node 0 is gone: its survivors' report names it, not a C++ trace here
+                store_gone_since = store_gone_since or now
+                if self._watch and now - store_gone_since >= self._watch[0]:
+                    self._lost(("store", None))
+                continue
+            store_gone_since = None
             try:
                 self.store.add(str(self.rank), 1)
-            except Exception:  # noqa: BLE001 — the store's host is gone: silent_ranks says so
-                return
+                if self._watch is None or now < next_look:
+                    continue
+                next_look = now + min(self.WATCH_EVERY_S, self._watch[0] / 2)
+                failed = self.failures()
+                if failed:
+                    self._lost(("failed", failed))
+                counters = self.counters()
+            except Exception:  # noqa: BLE001 — the store went between the connect and the call: the next look says
+                continue
+            for r, c in enumerate(counters):
+                if r != self.rank and (r not in last_seen or last_seen[r][0] != c):
+                    last_seen[r] = (c, now)
+            silent = [r for r, (_, t) in sorted(last_seen.items()) if now - t >= self._watch[0]]
+            if silent:
+                self._lost(("silent", silent))
+
+    def _lost(self, state) -> None:
+        if not self._stop.is_set() and self.claim_report():
+            self._watch[1](state)  # ends the process
+        self._stop.wait()  # another thread reports (or the run ended): this one has nothing left to do
+
+    def counters(self) -> list[int]:
+        keys = [str(r) for r in range(self.world_size)]
+        if hasattr(self.store, "multi_get"):
+            return [int(v) for v in self.store.multi_get(keys)]
+        return [self.store.add(k, 0) for k in keys]
+
+    def fail(self, line: str) -> None:
+        """This rank's training ends with an error: leave its one line for the others (best effort)."""
+        try:
+            if self.store_up():
+                self.store.set(f"failed/{self.rank}", line)
+                self.store.add("failed", 1)
+        except Exception:  # noqa: BLE001 — the others then report a silence instead
+            pass
+
+    def failures(self) -> dict[int, str]:
+        """{rank: its one line} of the other ranks that failed with an error."""
+        if self.store.add("failed", 0) == 0:
+            return {}
+        found = [r for r in range(self.world_size) if r != self.rank and self.store.check([f"failed/{r}"])]
+        return {r: self.store.get(f"failed/{r}").decode(errors="replace") for r in found}
 
     def silent_ranks(self) -> list[int] | None:
         """The other ranks whose counter did not move over three intervals; None: the store cannot be reached."""
+        if not self.store_up():
+            return None
         try:
             before = [self.store.add(str(r), 0) for r in range(self.world_size)]
             time.sleep(3 * self.interval)

@@ -34,6 +34,7 @@ from pipeline.model import model_class, model_info
 from pipeline.tokenize.bpe import tokenizer_identity
 from pipeline.tracking import open_training_tracker
 from pipeline.train.backend import build_backend
+from pipeline.train.peers import failure_line
 from pipeline.train import faults
 from pipeline.train.callbacks import Callback, ConsoleLogger, TrackerCallback
 from pipeline.train.checkpoint import (INDEX, disk_full_cause, disk_full_message, disk_full_while_training, hash_share,
@@ -496,6 +497,8 @@ class Trainer:
         tc = self.cfg.train
         status, last_eval = "FAILED", None
         handlers = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+        # on NCCL a collective with a dead or frozen peer does not fail in Python: the heartbeat thread reports it
+        self.backend.watch_peers(tc.heartbeat_timeout_s, self._rank_lost_from_heartbeat)
         try:
             if self.step >= tc.max_steps:
                 if self.backend.is_main:
@@ -528,7 +531,8 @@ class Trainer:
                         f"skipped; stopping. Last good checkpoint: {last[-1] if last else 'none'}. Lower "
                         f"train.lr or check the data, then resume.")
                 if self.step == faults.FAULT_KILL_AT_STEP and faults.FAULT_KILL_RANK in (None, self.backend.rank):
-                    os.kill(os.getpid(), signal.SIGKILL)  # fault injection for the tests: die like `kill -9`
+                    os.kill(os.getpid(), faults.FAULT_KILL_SIGNAL)  # fault injection for the tests: `kill -9`
+                faults.raise_at_step(self.step, self.backend.rank)
                 if self.step == faults.FAULT_SIGNAL_AT_STEP[0] and self.backend.rank == 0:
                     os.kill(os.getpid(), faults.FAULT_SIGNAL_AT_STEP[1])  # the tests' Ctrl-C / SIGTERM at a known step
                 stop = self._stop_signal_agreed()
@@ -572,8 +576,13 @@ class Trainer:
         except RuntimeError as e:  # a failed collective (gloo, NCCL, the store): is a rank gone?
             lost = self.backend.lost_ranks()
             if lost is None:
+                self.backend.report_failure(failure_line(e))  # this rank's own error: the others name it
                 raise
             raise self._rank_lost(lost) from e
+        except Exception as e:
+            if not isinstance(e, (TrainingStopped, RankLost)):
+                self.backend.report_failure(failure_line(e))
+            raise
         finally:
             signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C now would cut the clean-up and hide the report
             try:
@@ -592,24 +601,33 @@ class Trainer:
                 mark_stopped(self.run_dir, "a full disk", int(newest.name.split("_")[1]) if newest else 0,
                              self.cfg.train.max_steps, newest if newest else Path("none"))
         message = f"error: {disk_full_while_training(cause, self.step, self.run_dir, newest)}"
+        self.backend.report_failure(message.removeprefix("error: "))  # the other ranks name it, not a lost node
         print(message, file=sys.stderr, flush=True)
         return DiskFull(self.step, newest, message, report=False)
 
-    def _rank_lost(self, lost: tuple[str, list[int]]) -> RankLost:
+    def _rank_lost_from_heartbeat(self, lost: tuple[str, list[int], bool]) -> None:
+        """The heartbeat thread saw another rank fail or fall silent while this one is stuck in a collective (NCCL's,
+        or gloo's with a frozen peer): the same one line and stopped.json, then the process ends from that thread."""
+        print(f"error: {self._rank_lost(lost)}", file=sys.stderr, flush=True)
+        os._exit(1)
+
+    def _rank_lost(self, lost: tuple[str, list[int], bool]) -> RankLost:
         """The one line (and stopped.json) of a rank that outlived another: who stopped answering, and what the
         relaunch resumes from (the newest published checkpoint; a save in flight was never published)."""
         published = list_checkpoints(self.ckpt_dir)
         newest = published[-1] if published else None
         step = int(newest.name.split("_")[1]) if newest else 0
-        lost, gone = lost
+        lost, gone, failed = lost
         if self.backend.rank == min(set(range(self.backend.world_size)) - set(gone)):  # the first survivor
             mark_stopped(self.run_dir, f"the loss of a rank ({lost})", step, self.cfg.train.max_steps,
                          newest if newest else Path("none"))
         resume = (f"last intact checkpoint: step {step} at {newest}" if newest else
                   "no checkpoint was written yet: a relaunch starts from step 0")
-        return RankLost(f"{lost} during step {self.step + 1}, so rank {self.backend.rank} stops too; {resume}. Bring "
-                        f"the lost node back (or replace it) and run the same launch on every node: it resumes from "
-                        f"there ({self.run_dir / STOPPED} says so)")
+        remedy = ("Fix the cause before relaunching" if failed else
+                  "Bring the lost node back (or replace it)")
+        return RankLost(f"{lost} during step {self.step + 1}, so rank {self.backend.rank} stops too; {resume}. "
+                        f"{remedy}, and run the same launch on every node: it resumes from there "
+                        f"({self.run_dir / STOPPED} says so)")
 
     def _clean_up(self, status: str) -> None:
         if self._pending_save is not None and self._pending_save[0] is not None:
