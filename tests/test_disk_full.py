@@ -21,14 +21,18 @@ from pipeline.train.checkpoint import verify_checkpoint
 from conftest import step_losses, tiny_recipe
 
 
-def test_a_full_disk_during_a_full_format_save_stops_in_one_line_and_the_run_resumes(tmp_path, corpus, monkeypatch,
-                                                                                     capsys):
+def tokenized_recipe(tmp_path, corpus, **train):
+    """The tiny recipe with ``train`` overrides, its dataset tokenized: (recipe file, run folder)."""
     recipe = tiny_recipe(tmp_path, corpus)
-    recipe["train"].update(max_steps=3, checkpoint_interval=2, eval_interval=3)
+    recipe["train"].update(train)
     tokenize(from_dict(recipe).data, quiet=True)
     path = tmp_path / "recipe.yaml"
     path.write_text(yaml.safe_dump(recipe))
-    run_dir = from_dict(recipe).run_dir
+    return path, from_dict(recipe).run_dir
+
+def test_a_full_disk_during_a_full_format_save_stops_in_one_line_and_the_run_resumes(tmp_path, corpus, monkeypatch,
+                                                                                     capsys):
+    path, run_dir = tokenized_recipe(tmp_path, corpus, max_steps=3, checkpoint_interval=2, eval_interval=3)
     ckpts = run_dir / "checkpoints"
     # step 3's state.pt (~19 MB of weights and AdamW moments) fails after its first 64 KiB
     monkeypatch.setattr(faults, "FAULT_DISK_FULL", (3, 1 << 16, None))
@@ -62,12 +66,7 @@ def test_a_disk_that_fills_outside_a_save_stops_in_one_line(tmp_path, corpus, mo
 
     import pipeline.train.callbacks as callbacks
 
-    recipe = tiny_recipe(tmp_path, corpus)
-    recipe["train"].update(max_steps=4, checkpoint_interval=2, eval_interval=4)
-    tokenize(from_dict(recipe).data, quiet=True)
-    path = tmp_path / "recipe.yaml"
-    path.write_text(yaml.safe_dump(recipe))
-    run_dir = from_dict(recipe).run_dir
+    path, run_dir = tokenized_recipe(tmp_path, corpus, max_steps=4, checkpoint_interval=2, eval_interval=4)
 
     class FillsAtStep3:
         def __init__(self, f):

@@ -352,13 +352,9 @@ class Trainer:
         (it may hold most of what the disk had left) and writes stopped.json; the newest published checkpoint stays."""
         if self.backend.is_main:
             shutil.rmtree(staging_dir(self.ckpt_dir, step), ignore_errors=True)
-        published = list_checkpoints(self.ckpt_dir)
-        newest = published[-1] if published else None
         message = f"error: {disk_full_message(self.ckpt_dir, step, cause, self.run_dir.parent)}"
+        _, newest = self._mark_stopped_at_newest("a full disk", self.backend.is_main)
         if self.backend.is_main:
-            with contextlib.suppress(OSError):  # a few hundred bytes; the message says all if even those do not fit
-                mark_stopped(self.run_dir, "a full disk", int(newest.name.split("_")[1]) if newest else 0,
-                             self.cfg.train.max_steps, newest if newest else Path("none"))
             # said now, not by the CLI at exit: once the other ranks have exited, torchrun SIGTERMs this one
             print(message, file=sys.stderr, flush=True)
         self._stopped_together = True  # every rank stops here, at the same agreement
@@ -594,16 +590,23 @@ class Trainer:
     def _stop_disk_full_outside_a_save(self, cause: OSError) -> DiskFull:
         """A full disk met while training (a log, the metrics, a tracker's file) rather than inside a save: this rank
         stops in one line, and stopped.json (a few hundred bytes) is written if it still fits."""
-        published = list_checkpoints(self.ckpt_dir)
-        newest = published[-1] if published else None
-        if self.backend.is_main:
-            with contextlib.suppress(OSError):
-                mark_stopped(self.run_dir, "a full disk", int(newest.name.split("_")[1]) if newest else 0,
-                             self.cfg.train.max_steps, newest if newest else Path("none"))
+        _, newest = self._mark_stopped_at_newest("a full disk", self.backend.is_main)
         message = f"error: {disk_full_while_training(cause, self.step, self.run_dir, newest)}"
         self.backend.report_failure(message.removeprefix("error: "))  # the other ranks name it, not a lost node
         print(message, file=sys.stderr, flush=True)
         return DiskFull(self.step, newest, message, report=False)
+
+    def _mark_stopped_at_newest(self, why: str, write: bool) -> tuple[int, Path | None]:
+        """(step, folder) of the newest published checkpoint, the one a relaunch resumes from (a save in flight was
+        never published); with ``write``, stopped.json says the run stopped there because of ``why`` (a few hundred
+        bytes: skipped if even those do not fit on a full disk)."""
+        published = list_checkpoints(self.ckpt_dir)
+        newest = published[-1] if published else None
+        step = int(newest.name.split("_")[1]) if newest else 0
+        if write:
+            with contextlib.suppress(OSError):
+                mark_stopped(self.run_dir, why, step, self.cfg.train.max_steps, newest or Path("none"))
+        return step, newest
 
     def _rank_lost_from_heartbeat(self, lost: tuple[str, list[int], bool]) -> None:
         """The heartbeat thread saw another rank fail or fall silent while this one is stuck in a collective (NCCL's,
@@ -614,13 +617,9 @@ class Trainer:
     def _rank_lost(self, lost: tuple[str, list[int], bool]) -> RankLost:
         """The one line (and stopped.json) of a rank that outlived another: who stopped answering, and what the
         relaunch resumes from (the newest published checkpoint; a save in flight was never published)."""
-        published = list_checkpoints(self.ckpt_dir)
-        newest = published[-1] if published else None
-        step = int(newest.name.split("_")[1]) if newest else 0
         lost, gone, failed = lost
-        if self.backend.rank == min(set(range(self.backend.world_size)) - set(gone)):  # the first survivor
-            mark_stopped(self.run_dir, f"the loss of a rank ({lost})", step, self.cfg.train.max_steps,
-                         newest if newest else Path("none"))
+        first_survivor = self.backend.rank == min(set(range(self.backend.world_size)) - set(gone))
+        step, newest = self._mark_stopped_at_newest(f"the loss of a rank ({lost})", first_survivor)
         resume = (f"last intact checkpoint: step {step} at {newest}" if newest else
                   "no checkpoint was written yet: a relaunch starts from step 0")
         remedy = ("Fix the cause before relaunching" if failed else
