@@ -1,11 +1,12 @@
 """grt-pipeline: pretraining pipeline for recurrent-depth transformers (GRT first)."""
 import sysconfig
 
-from setuptools import find_packages, setup
+from setuptools import find_packages
+from setuptools import setup
 
-# Registers the `grt` model with lm-eval at interpreter start (see pipeline/eval/lm_eval_plugin.py). A regular install
+# Registers the `grt` model with lm-eval at interpreter start (see pipeline/eval/lm_eval/plugin.py). A regular install
 # puts it into site-packages as a data file; editable installs skip data files, so the Makefile runs
-# `python -m pipeline.eval.lm_eval_plugin`, which writes it.
+# `python -m pipeline.eval.lm_eval.plugin`, which writes it.
 PTH = "grt_pipeline_lm_eval.pth"
 SITE_PACKAGES = sysconfig.get_path("purelib", vars={"base": "", "platbase": ""}).lstrip("/")
 
@@ -14,7 +15,9 @@ setup(
     version="0.1.0",
     description="tokenize -> train -> eval pipeline for Gated Recurrent Transformers and dense baselines",
     packages=find_packages(include=["pipeline", "pipeline.*", "ops", "ops.*", "launch", "launch.*"]),
-    package_data={"pipeline": ["py.typed", "eval/tasks/*.yaml", "paper/*.yaml"], "launch": ["templates/*"]},
+    # lm-eval reads the task folder as files (its YAMLs name `!function local_data.*`), not as a package
+    package_data={"pipeline": ["eval/lm_eval/tasks/*.yaml", "eval/lm_eval/tasks/*.py", "studies/*.yaml"],
+                  "launch": ["templates/*"]},
     data_files=[(SITE_PACKAGES, [PTH])],
     python_requires=">=3.10",
     install_requires=[
@@ -39,7 +42,8 @@ setup(
         "psutil>=5.9",  # rank-0 peak memory of checkpoint saves
         "scipy>=1.11,<2",  # `grt fit-phi`: the robust least-squares fit of the recurrence-equivalence law
     ],
-    # triton: CUDA torch wheels bring their own; the CPU tests run the kernels in Triton's interpreter
-    extras_require={"test": ["pytest>=8,<10", "triton>=3.2,<4"]},
+    # triton: CUDA torch wheels bring their own; the CPU tests run the kernels in Triton's interpreter.
+    # ruff: `make lint`, pinned so that a new release's rules do not fail an unchanged tree
+    extras_require={"test": ["pytest>=8,<10", "triton>=3.2,<4", "ruff==0.17.6"]},
     entry_points={"console_scripts": ["grt=pipeline.cli:main"]},
 )

@@ -8,7 +8,7 @@ Table 3 (latency and peak memory): batch 4, a 1,024-token prompt, 128 greedy new
 Table 4 (decoding memory): weights + KV in bf16 at B = 1 and B = 32, T = 1,024 cached positions, for each KV
     strategy of GRT medium-isoflop vs GPT-2 medium, as ratios (paper: averaged KV 0.39x GPT-2 medium at B = 32).
 
-    python bench/decode.py [--full] [--device cpu|cuda] [--tables 3,4] [--repeat N] [--compile blocks|trainer|off]
+    python -m bench.decode [--full] [--device cpu|cuda] [--tables 3,4] [--repeat N] [--compile blocks|trainer|off]
                            [--table3-kv full,averaged] [--out FILE]
 
 Sizes: the recipes' models (recipes/paper/*.yaml) at the paper's protocol with ``--full`` (the default on CUDA);
@@ -33,8 +33,6 @@ bf16 timings would measure the emulation), bf16 for Table 4 everywhere (its figu
 """
 from __future__ import annotations
 
-import _bootstrap  # noqa: F401  (first: keeps bench/tokenize.py from shadowing the standard library's tokenize)
-
 import argparse
 import copy
 import dataclasses
@@ -42,15 +40,21 @@ import json
 import statistics
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from dataclasses import field
 from pathlib import Path
 
 import torch
 
-from pipeline.config import GPTConfig, GRTConfig, ModelConfig  # noqa: E402
-from pipeline.model import build_model, count_params, model_class  # noqa: E402
-from pipeline.model.kv_cache import KV_STRATEGIES, KVCache  # noqa: E402
-from pipeline.train.parallelize import apply_compile  # noqa: E402
+from pipeline.model import build_model
+from pipeline.model import count_params
+from pipeline.model import model_class
+from pipeline.model.configs import GPTConfig
+from pipeline.model.configs import GRTConfig
+from pipeline.model.configs import ModelConfig
+from pipeline.model.kv_cache import KV_STRATEGIES
+from pipeline.model.kv_cache import KVCache
+from pipeline.train.parallelize import apply_compile
 
 ROOT = Path(__file__).resolve().parents[1]
 MiB, GiB = 2**20, 2**30
@@ -171,8 +175,10 @@ def compile_for_decode(model, mode: str, backend: str = "inductor") -> None:
     if mode == "trainer":
         apply_compile(model, backend)
         return
-    blocks = list(model.blocks) if not hasattr(model, "recur") else [*model.prelude, *model.recur.blocks, *model.coda]
-    for module in blocks + ([model.recur.gate] if getattr(getattr(model, "recur", None), "gate", None) else []):
+    core = model.recurrent_core()
+    blocks = list(model.blocks) if core is None else [*model.prelude, *core.blocks, *model.coda]
+    gate = getattr(core, "gate", None)  # GRT's gate MLP (its ablation model.gate=none has none)
+    for module in blocks + ([gate] if gate is not None else []):
         module.compile(backend=backend)
 
 

@@ -10,7 +10,7 @@
   work), against the plain PyTorch formula eager and compiled by inductor (noise from torch.randn in the graph),
   timed the same way.
 
-    python bench/gate_op.py [--device cuda|cpu] [--rows 8192] [--d 1024] [--calls 100] [--repeat 5]
+    python -m bench.gate_op [--device cuda|cpu] [--rows 8192] [--d 1024] [--calls 100] [--repeat 5]
                             [--dtypes float32,bfloat16] [--sigmas 0,0.1]
 
 Prints one JSON object (and each case's figures to stderr as it finishes). On a CPU (a dry run on small shapes) the
@@ -18,8 +18,6 @@ kernels run in Triton's interpreter when triton imports (a check that the code p
 timer is the host clock around the back-to-back calls; the keys are the same.
 """
 from __future__ import annotations
-
-import _bootstrap  # noqa: F401
 
 import argparse
 import json
@@ -34,7 +32,7 @@ import torch
 if not torch.cuda.is_available():  # the kernels run on a CPU only in Triton's interpreter, chosen before the import
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from ops import gate as gate_ops  # noqa: E402
+from ops import gate as gate_ops  # noqa: E402  (after TRITON_INTERPRET is chosen)
 
 L2_FLUSH_BYTES = 4 * 60 * 2**20  # H200: 60 MB of L2; rotating inputs over 4x that keeps every call's reads in HBM
 

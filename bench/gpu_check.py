@@ -5,8 +5,8 @@ time cap, in this order:
   tests          tests/test_gpu.py without pytest (kernels vs reference, compiled + fused training vs eager); each
                  test's result is appended to a JSON-lines file as it finishes, so a killed run keeps the finished ones
   train_fsdp     bench/gpu_train_fsdp.py: the project's Trainer on one GPU: FSDP2 (a process group of one), bf16,
-                 train.compile, the fused ops; a sharded checkpoint half-way, then a resume from it in a new process, its losses against the
-                 uninterrupted run's
+                 train.compile, the fused ops; a sharded checkpoint half-way, then a resume from it in a new process,
+                 its losses against the uninterrupted run's
   gate_op        bench/gate_op.py: kernel-only bandwidth vs copy_, end-to-end op time vs eager / compiled references
   train_d        bench/train.py --arms d: GRT vs dense tokens/s, eager / compiled (plain formula) / compiled + fused
   train_e        bench/train.py --arms e: MFU of GPT-2 medium
@@ -29,8 +29,6 @@ shapes (``--tiny``: the smallest, for tests/test_gpu_check.py). ``--only`` picks
 """
 from __future__ import annotations
 
-import _bootstrap  # noqa: F401  (first: keeps bench/tokenize.py from shadowing the standard library's tokenize)
-
 import argparse
 import importlib.util
 import inspect
@@ -46,6 +44,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+# the GPU image runs this from a bare checkout (the project is not installed there): the repository root goes on
+# the import path of this process and, through PYTHONPATH, of every phase it starts
+sys.path.insert(0, str(ROOT))
+PHASE_PYTHONPATH = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
 ME = "bench/gpu_check.py"
 TRAIN_FSDP = "bench/gpu_train_fsdp.py"  # the train_fsdp phase
 TAIL = 3000  # characters of a failed or killed phase's output kept in the JSON
@@ -333,8 +335,8 @@ def interpreted_kernels() -> int:
     import torch
 
     gpu_tests = import_module_or_script("tests/test_gpu.py")
-    from pipeline.config import GRTConfig
     from pipeline.model import build_model
+    from pipeline.model.configs import GRTConfig
 
     t, out = time.time(), {}
     gpu_tests.check_state_noise_kernel("cpu", 1 << 14)
@@ -370,7 +372,7 @@ def run_phase(phase: Phase, cap_s: float, work: Path, log, on_poll=None) -> dict
         # killed (the device tool's own timeout), whoever ends the session ends the phase too, no orphan keeps the GPU
         group = {"process_group": 0} if sys.version_info >= (3, 11) else {"start_new_session": True}
         proc = subprocess.Popen([sys.executable, *phase.argv], cwd=ROOT, stdout=fo, stderr=fe, **group,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                env={**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": PHASE_PYTHONPATH})
         timed_out = False
         try:
             while True:

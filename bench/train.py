@@ -12,7 +12,7 @@
     gate ops); tokens/s, their ratios, and what the fused kernels add over the plain compiled formula;
 (e) MFU of the dense GPT-2 medium shape (recipes/paper/gpt2-medium.yaml) over a few hundred compiled bf16 steps.
 
-    python bench/train.py [--device cpu|cuda] [--repeat 5] [--arms a,b,c,d,e] [--mfu-steps 300]
+    python -m bench.train [--device cpu|cuda] [--repeat 5] [--arms a,b,c,d,e] [--mfu-steps 300]
 
 (d) and (e) are CUDA arms (default there; on a CPU they run only when named, on small shapes).
 
@@ -20,8 +20,6 @@ Prints one JSON object. Activation memory is counted from autograd's saved tenso
 CUDA the peak allocated memory is reported too.
 """
 from __future__ import annotations
-
-import _bootstrap  # noqa: F401  (first: keeps bench/tokenize.py from shadowing the standard library's tokenize)
 
 import argparse
 import contextlib
@@ -35,12 +33,15 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from pipeline.config import GPTConfig, GRTConfig  # noqa: E402
-from pipeline.model import build_model, model_class  # noqa: E402
-from pipeline.model.grt import RecurrentStep  # noqa: E402
-from ops import gate as gate_ops  # noqa: E402
-from pipeline.train.mfu import device_peak_flops  # noqa: E402
-from pipeline.train.parallelize import apply_activation_checkpointing, apply_compile  # noqa: E402
+from ops import gate as gate_ops
+from pipeline.model import build_model
+from pipeline.model import model_class
+from pipeline.model.configs import GPTConfig
+from pipeline.model.configs import GRTConfig
+from pipeline.model.grt import RecurrentStep
+from pipeline.train.mfu import device_peak_flops
+from pipeline.train.parallelize import apply_activation_checkpointing
+from pipeline.train.parallelize import apply_compile
 
 
 # ----------------------------------------------------------------- (c) the reference: nanoGPT's architecture

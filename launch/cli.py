@@ -12,9 +12,15 @@ import subprocess
 import sys
 from pathlib import Path
 
-from launch.plan import LAUNCHERS, PlanError, make_plan
-from launch.rendezvous import DEFAULT_TIMEOUT_S, meet, needs_meeting
-from launch.render import commands, describe, files
+from launch.plan import LAUNCHERS
+from launch.plan import PlanError
+from launch.plan import make_plan
+from launch.render import commands
+from launch.render import describe
+from launch.render import files
+from launch.rendezvous import DEFAULT_TIMEOUT_S
+from launch.rendezvous import meet
+from launch.rendezvous import needs_meeting
 
 # The programs of the rendered commands, run with this Python so that the ranks use the environment grt runs in.
 PROGRAMS = {"torchrun": [sys.executable, "-m", "torch.distributed.run"],

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import hashlib
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from dataclasses import field
 
 LAUNCHERS = ("torchrun", "deepspeed", "slurm")
 # Ports [20000, 32767]: above the well-known/registered ports most services bind, below Linux's default ephemeral

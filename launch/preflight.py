@@ -14,11 +14,14 @@ from __future__ import annotations
 
 import os
 import shutil
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from dataclasses import field
 from pathlib import Path
 
 from launch import memory
-from launch.memory import GiB, Plan
+from launch.memory import GiB
+from launch.memory import MemoryPlan
+from launch.memory_rows import activation_depth
 
 ENV_VARS = ("MASTER_ADDR", "MASTER_PORT", "NCCL_SOCKET_IFNAME", "NCCL_IB_DISABLE", "NCCL_IB_HCA", "NCCL_DEBUG",
             "NCCL_P2P_DISABLE", "NCCL_ASYNC_ERROR_HANDLING", "TORCH_NCCL_ASYNC_ERROR_HANDLING", "GLOO_SOCKET_IFNAME",
@@ -58,8 +61,8 @@ def gb(n: float) -> str:
 def run_preflight(cfg, nodes: int = 1, gpus_per_node: int = 1, gpu_mem_gb: float | None = None,
                   check_data: bool = True, check_tracking: bool = True) -> Report:
     """Check the plan of ``cfg`` (a :class:`pipeline.config.RunConfig`) on ``nodes`` x ``gpus_per_node`` ranks with
-    ``gpu_mem_gb`` GiB per device (an "80 GB" A100/H100 has 80 GiB) (None: the local CUDA device's, when there is one). ``check_data=False``
-    skips the dataset (e.g. before it is tokenized on the cluster)."""
+    ``gpu_mem_gb`` GiB per device (an "80 GB" A100/H100 has 80 GiB) (None: the local CUDA device's, when there is one).
+    ``check_data=False`` skips the dataset (e.g. before it is tokenized on the cluster)."""
     rep = Report()
     world = nodes * gpus_per_node
     tc = cfg.train
@@ -131,7 +134,7 @@ def _table(est: memory.Estimate) -> list[str]:
 
 def _check_memory(cfg, world: int, gpu_mem_gb: float | None, bf16: bool, rep: Report):
     tc = cfg.train
-    pc = memory.count_params(cfg.model)
+    pc = memory.param_counts(cfg.model)
     backend = tc.backend
     if backend == "single" and world > 1:
         rep.problems.append(f"backend: train.backend=single runs one process, but the plan has {world} ranks; set "
@@ -141,10 +144,10 @@ def _check_memory(cfg, world: int, gpu_mem_gb: float | None, bf16: bool, rep: Re
         rep.problems.append(f"checkpointing: train.activation_checkpointing=core_step checkpoints one recurrence step "
                             f"(model.recur) and model.type={cfg.model.type} has none; set "
                             f"train.activation_checkpointing=blocks (estimated below as none)")
-    plan = Plan(backend, tc.zero_stage if backend == "deepspeed" else 0, tc.activation_checkpointing, tc.micro_batch_size, tc.grad_accum_steps,
-                world, bf16)
+    plan = MemoryPlan(backend, tc.zero_stage if backend == "deepspeed" else 0, tc.activation_checkpointing,
+                      tc.micro_batch_size, tc.grad_accum_steps, world, bf16)
     est = memory.estimate(cfg.model, pc, plan)
-    depth, counts = memory.activation_depth(cfg.model)
+    depth, counts = activation_depth(cfg.model)
     lines = [f"{pc.total / 1e6:,.1f}M unique parameters; activations of model.type={cfg.model.type} at depth "
              f"{depth} ({counts}) for {plan.label()}", *_table(est)]
     source = "--gpu-mem"
@@ -174,7 +177,7 @@ def _check_memory(cfg, world: int, gpu_mem_gb: float | None, bf16: bool, rep: Re
     return pc
 
 
-def _overrides(old: Plan, new: Plan) -> str:
+def _overrides(old: MemoryPlan, new: MemoryPlan) -> str:
     out = []
     if (new.backend, new.zero_stage) != (old.backend, old.zero_stage):
         out.append(f"train.backend={new.backend}")
@@ -189,8 +192,9 @@ def _overrides(old: Plan, new: Plan) -> str:
 
 # ------------------------------------------------------------------------------------------------ data
 def _check_data(cfg, tokens_per_step: int, rep: Report) -> None:
-    from pipeline.tokenize.writer import read_manifest, verify_dataset
-    from pipeline.train.trainer import check_dataset_matches_model
+    from pipeline.tokenize.writer import read_manifest
+    from pipeline.tokenize.writer import verify_dataset
+    from pipeline.train.data_match import check_dataset_matches_model
 
     dirs, _ = cfg.data.training_datasets()
     lines, train_tokens, ok = [], 0, True
@@ -244,7 +248,8 @@ def _check_tracking(cfg, rep: Report) -> None:
         return
     uri = resolve_uri(t.uri)
     if uri.startswith(("http://", "https://")):
-        from pipeline.tracking import TrackingUnavailableError, check_server
+        from pipeline.tracking import TrackingUnavailableError
+        from pipeline.tracking import check_server
 
         try:  # the trainer's own check: /health and one API call (a server may answer one and refuse the other)
             check_server(uri)
@@ -259,7 +264,8 @@ def _check_tracking(cfg, rep: Report) -> None:
         if not os.access(existing, os.W_OK):
             rep.problems.append(f"tracking: {uri}: folder {existing} is not writable; point tracking.uri at a "
                                 f"writable folder, use an http:// server, or set tracking.enabled=false")
-        rep.sections.append(("tracking", [f"{uri}: sqlite in {folder} ({'writable' if os.access(existing, os.W_OK) else 'NOT writable'})"]))
+        rep.sections.append(("tracking", [f"{uri}: sqlite in {folder} "
+                                          f"({'writable' if os.access(existing, os.W_OK) else 'NOT writable'})"]))
     else:
         rep.sections.append(("tracking", [f"{uri}: not checked (only http(s):// and sqlite:/// are)"]))
 

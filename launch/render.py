@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import re
 import shlex
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from dataclasses import field
 from pathlib import Path
 
-from launch.plan import PORT_BASE, PORT_SPAN, Plan
+from launch.plan import PORT_BASE
+from launch.plan import PORT_SPAN
+from launch.plan import Plan
 
 TEMPLATES = Path(__file__).parent / "templates"
 PLACEHOLDER = re.compile(r"\{\{(\w+)\}\}")

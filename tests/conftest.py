@@ -1,9 +1,11 @@
 """Shared fixtures: a tiny corpus written on the fly and tiny recipes, so every test runs on a fresh clone."""
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import shutil
+import types
 from pathlib import Path
 
 # Triton's kernels run on a CPU only in its interpreter, which must be chosen before triton is imported. A machine
@@ -17,6 +19,45 @@ import zstandard
 from pipeline.config import from_dict
 
 SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+TESTS = Path(__file__).resolve().parent
+
+# ------------------------------------------------------------------------------------------------------ test tiers
+# `make test-quick` runs -m "not slow and not multiprocess and not gpu and not further_case". A test is marked
+# multiprocess here when its code, a fixture's, or a function of tests/ that either calls (followed by name, to any
+# depth) names one of these: it starts other processes (torchrun ranks, `grt` commands, servers, worker scripts).
+# Explicit marks add what this cannot see (processes started by code outside tests/).
+STARTS_PROCESSES = frozenset({"subprocess", "Popen", "subprocess_env", "spawn", "get_context"})
+
+
+def starts_processes(func, seen: set) -> bool:
+    code = getattr(func, "__code__", None)
+    if code is None or code in seen or not Path(code.co_filename).resolve().is_relative_to(TESTS):
+        return False
+    seen.add(code)
+    names, stack = set(), [code]
+    while stack:  # nested functions and lambdas are constants of the code that holds them
+        c = stack.pop()
+        names |= set(c.co_names)
+        stack += [k for k in c.co_consts if isinstance(k, types.CodeType)]
+    return bool(names & STARTS_PROCESSES) or any(
+        starts_processes(g, seen) for g in (func.__globals__.get(n) for n in names) if inspect.isfunction(g))
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects by these marks
+def pytest_collection_modifyitems(config, items):
+    represented = set()  # parametrized tests with a case in the quick tier: their further cases are marked
+    for item in items:
+        funcs = [getattr(item, "function", None)]
+        info = getattr(item, "_fixtureinfo", None)  # a Function's fixtures (pytest's own attribute)
+        funcs += [d.func for defs in (info.name2fixturedefs.values() if info else ()) for d in defs]
+        if not item.get_closest_marker("multiprocess") and any(starts_processes(f, set()) for f in funcs if f):
+            item.add_marker(pytest.mark.multiprocess)
+        if hasattr(item, "callspec") and not any(item.get_closest_marker(m) for m in ("slow", "multiprocess", "gpu")):
+            test = (item.path, item.cls, item.originalname)
+            if test in represented:
+                item.add_marker(pytest.mark.further_case)
+            represented.add(test)
+
 
 WORDS = ("the gate decides how much of the state is kept while the shared core proposes an update and the prelude "
          "anchors every step so that depth can grow without new weights").split()
@@ -108,19 +149,18 @@ def subprocess_env(**extra) -> dict:
 
 def load_bench(name: str, as_name: str | None = None):
     """A script of bench/ as a module (bench/ is scripts, not a package), once per test session, under ``as_name``
-    (default its own name; e.g. bench/train.py as "bench_train", not to shadow another "train"), with
-    bench/_bootstrap loaded first as the benches' own `import _bootstrap` expects."""
+    (default its own name; e.g. bench/train.py as "bench_train", not to shadow another "train")."""
     import importlib.util
     import sys
 
-    for file, mod_name in (("_bootstrap", "_bootstrap"), (name, as_name or name)):
-        if mod_name not in sys.modules:
-            spec = importlib.util.spec_from_file_location(mod_name, Path(__file__).resolve().parents[1] / "bench" /
-                                                          f"{file}.py")
-            mod = importlib.util.module_from_spec(spec)
-            sys.modules[mod_name] = mod
-            spec.loader.exec_module(mod)
-    return sys.modules[as_name or name]
+    mod_name = as_name or name
+    if mod_name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(mod_name, Path(__file__).resolve().parents[1] / "bench" /
+                                                      f"{name}.py")
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[mod_name] = mod
+        spec.loader.exec_module(mod)
+    return sys.modules[mod_name]
 
 
 def free_port() -> int:

@@ -15,9 +15,11 @@ from pathlib import Path
 import torch
 
 from fsdp_comm_worker import live_tensor_bytes
-from launch.memory import count_params, model_state_bytes
+from launch.memory import model_state_bytes
+from launch.memory import param_counts
 from pipeline.config import TrainConfig
-from pipeline.model import build_model, model_class
+from pipeline.model import build_model
+from pipeline.model.configs import MODEL_CONFIGS
 from pipeline.train.backend import DeepSpeed
 from pipeline.train.optim import build_optimizer
 
@@ -25,8 +27,8 @@ from pipeline.train.optim import build_optimizer
 def main(stage: int, out: Path) -> None:
     tc = TrainConfig(backend="deepspeed", device="cpu", dtype="bfloat16", zero_stage=stage, grad_accum_steps=1,
                      micro_batch_size=2)
-    cfg = model_class("grt").config_class(type="grt", vocab_size=64, block_size=8, d_model=128, n_head=2,
-                                         n_prelude=1, n_core=2, n_coda=1, n_recurrence=2)
+    cfg = MODEL_CONFIGS["grt"](type="grt", vocab_size=64, block_size=8, d_model=128, n_head=2,
+                               n_prelude=1, n_core=2, n_coda=1, n_recurrence=2)
     base = live_tensor_bytes()
     be = DeepSpeed(tc)
     engine, opt = be.setup(build_model(cfg, seed=3), lambda m: build_optimizer(m, tc, "cpu"))
@@ -44,7 +46,7 @@ def main(stage: int, out: Path) -> None:
             _, loss = engine(x, x, n_steps=2)
         be.backward(engine, loss, 1, True)
         be.step(engine, opt)
-    est = model_state_bytes(count_params(cfg), "deepspeed", stage, 1, bf16=True)
+    est = model_state_bytes(param_counts(cfg), "deepspeed", stage, 1, bf16=True)
     model_dtype, accum_dtype = engine.get_data_types()
     out.write_text(json.dumps({"engine_dtypes": {"model": str(model_dtype), "grad_accum": str(accum_dtype),
                                                  "communication": str(engine.communication_data_type)},

@@ -21,7 +21,8 @@ import torch
 import torch.distributed as dist
 
 from pipeline.config import TrainConfig
-from pipeline.model import build_model, model_class
+from pipeline.model import build_model
+from pipeline.model.configs import MODEL_CONFIGS
 from pipeline.train.backend import FSDP
 from pipeline.train.optim import build_optimizer
 from pipeline.train.parallelize import parallelize
@@ -71,8 +72,8 @@ def main(out: Path) -> None:
     tc = TrainConfig(backend="fsdp", device="cpu", dtype="float32", grad_accum_steps=4)
     be = FSDP(tc)
     # a core that dominates the parameters, so that what accumulation holds shows in the byte count
-    cfg = model_class("grt").config_class(type="grt", vocab_size=64, block_size=8, d_model=128, n_head=2,
-                                         n_prelude=1, n_core=2, n_coda=1, n_recurrence=4)
+    cfg = MODEL_CONFIGS["grt"](type="grt", vocab_size=64, block_size=8, d_model=128, n_head=2,
+                               n_prelude=1, n_core=2, n_coda=1, n_recurrence=4)
     model = build_model(cfg, seed=3)
     n_params = sum(p.numel() for p in model.parameters())
     parallelize(model, tc, torch.float32, be.device)

@@ -8,7 +8,7 @@ for each backend named on the command line and write, per rank, OUT/<backend>-ra
     rss_mb  how much this process's peak RSS grew while the model was built (VmHWM, reset before the build)
 
 With ``--rss-model=JSON`` it then builds that (larger) model for fsdp once more, measuring only, and writes
-OUT/fsdp-rss-rank<r>.pt: the README's claim that no rank holds the whole model at start-up, at a size that shows.
+OUT/fsdp-rss-rank<r>.pt: distributed.md's claim that no rank holds the whole model at start-up, at a size that shows.
 
 Usage: python tests/meta_init_worker.py OUT MODEL_JSON SEED BACKEND... [--measure-only] [--rss-model=JSON]
 """
@@ -19,10 +19,9 @@ import os
 import sys
 from pathlib import Path
 
-import torch
-
-from pipeline.config import RunConfig, TrainConfig
-from pipeline.model import model_class
+from pipeline.config import RunConfig
+from pipeline.config import TrainConfig
+from pipeline.model.configs import MODEL_CONFIGS
 from pipeline.train.backend import build_backend
 from pipeline.train.materialize import build_for_training
 from pipeline.train.optim import build_optimizer
@@ -43,7 +42,8 @@ def rss_kb(field: str) -> int:
 
 def full_state(model, backend_name: str) -> dict:
     if backend_name == "fsdp":
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
         return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if backend_name == "zero3":
@@ -56,7 +56,7 @@ def full_state(model, backend_name: str) -> dict:
 
 def model_config(model_json: str):
     model_dict = json.loads(model_json)
-    return model_class(model_dict["type"]).config_class(**model_dict)
+    return MODEL_CONFIGS[model_dict["type"]](**model_dict)
 
 
 def main(out: Path, model_json: str, seed: int, names: list[str], measure_only: bool, rss_model: str | None) -> None:

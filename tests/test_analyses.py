@@ -1,6 +1,6 @@
-"""`grt eval`'s Appendix E analyses wired together (pipeline/eval/analyses.py): the names the recipe accepts, which
-analyses a model gets, one traced pass against states computed by hand from the model's own step, and a trained tiny
-run evaluated with every analysis (JSON, plots, MLflow), with eval.noise on and off."""
+"""`grt eval`'s Appendix E analyses wired together (pipeline/eval/analyses/suite.py): the names the recipe accepts,
+which analyses a model gets, one traced pass against states computed by hand from the model's own step, and a trained
+tiny run evaluated with every analysis (JSON, plots, MLflow), with eval.noise on and off."""
 from __future__ import annotations
 
 import json
@@ -9,16 +9,18 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline.config import ANALYSIS_NAMES, from_dict
-from pipeline.eval.analyses import ANALYSES, resolve, traced_pass
-from pipeline.eval.representation import linear_cka
+from conftest import tiny_recipe
+from pipeline.config import ANALYSES
+from pipeline.config import ANALYSIS_NAMES
+from pipeline.config import from_dict
+from pipeline.eval.analyses.representation import linear_cka
+from pipeline.eval.analyses.suite import resolve
+from pipeline.eval.analyses.suite import traced_pass
 from pipeline.model import build_model
 
-from conftest import tiny_recipe
 
-
-def test_the_schema_and_the_registry_name_the_same_analyses():
-    assert set(ANALYSES) == set(ANALYSIS_NAMES)
+def test_default_and_all_resolve_from_the_one_list_of_analyses():
+    assert ANALYSIS_NAMES == tuple(ANALYSES)  # the recipe's names are the table's
     default, _ = resolve(["default"], "grt", True)
     assert {"anchor_ablation", "cka", "attention"}.isdisjoint(default)  # the costly ones are asked for by name
     assert {"steps", "deciles", "similarity", "trace"} <= set(default)
@@ -85,7 +87,7 @@ def test_one_traced_pass_gives_the_figures_of_the_hand_computed_states():
 
 
 def test_prompted_analyses_are_skipped_for_a_vocabulary_smaller_than_gpt2():
-    from pipeline.eval.analyses import run_analyses
+    from pipeline.eval.analyses.suite import run_analyses
 
     model, cfg = tiny_grt()  # vocab_size 96: GPT-2 BPE prompt ids would index past its embedding
     cfg.eval.analyses = ["trace", "gate_heatmaps"]
@@ -96,10 +98,9 @@ def test_prompted_analyses_are_skipped_for_a_vocabulary_smaller_than_gpt2():
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
+    from conftest import make_corpus
     from pipeline.tokenize import tokenize
     from pipeline.train.trainer import Trainer
-
-    from conftest import make_corpus
 
     tmp = tmp_path_factory.mktemp("analyses")
     corpus = make_corpus(tmp / "corpus")
@@ -149,10 +150,10 @@ def test_grt_eval_with_every_analysis_writes_json_plots_and_mlflow(trained):
 
 
 def test_eval_noise_is_seeded_and_refused_for_a_model_without_noise(trained):
+    from mlflow.tracking import MlflowClient
+
     from pipeline.config import RecipeError
     from pipeline.eval.stage import evaluate
-
-    from mlflow.tracking import MlflowClient
 
     cfg = trained["tiny"]
     off = evaluate(cfg.run_dir, ["eval.analyses=[steps]"], quiet=True)

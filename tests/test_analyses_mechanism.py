@@ -1,5 +1,5 @@
-"""Appendix E.7-E.9 and Figure 4 (pipeline/eval/mechanism.py) against hand computations on hand-made tensors and a
-tiny GRT."""
+"""Appendix E.7-E.9 and Figure 4 (pipeline/eval/analyses/mechanism.py) against hand computations on hand-made tensors
+and a tiny GRT."""
 from __future__ import annotations
 
 import math
@@ -9,17 +9,30 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pipeline.config import GPTConfig, GRTConfig
-from pipeline.eval.dynamics import trace_steps
-from pipeline.eval.mechanism import (AttentionStatistics, GateAttribution, attention_probabilities,
-                                     attention_row_statistics, attention_statistics, classify_head, gate_attribution,
-                                     gate_weight_spectra, next_token_traces, projection_analysis)
-from pipeline.eval.mechanism_plots import plot_attention, plot_gate_attribution, plot_projection, plot_traces
+from pipeline.eval.analyses.dynamics import trace_steps
+from pipeline.eval.analyses.mechanism import AttentionStatistics
+from pipeline.eval.analyses.mechanism import GateAttribution
+from pipeline.eval.analyses.mechanism import attention_probabilities
+from pipeline.eval.analyses.mechanism import attention_row_statistics
+from pipeline.eval.analyses.mechanism import classify_head
+from pipeline.eval.analyses.mechanism import gate_weight_spectra
+from pipeline.eval.analyses.mechanism import next_token_traces
+from pipeline.eval.analyses.mechanism import projection_analysis
+from pipeline.eval.analyses.mechanism_plots import plot_attention
+from pipeline.eval.analyses.mechanism_plots import plot_gate_attribution
+from pipeline.eval.analyses.mechanism_plots import plot_projection
+from pipeline.eval.analyses.mechanism_plots import plot_traces
+from pipeline.eval.analyses.suite import traced_pass
 from pipeline.model import build_model
-from pipeline.model.grt import Gate, RecurrentStep
+from pipeline.model.configs import GPTConfig
+from pipeline.model.configs import GRTConfig
+from pipeline.model.grt import Gate
+from pipeline.model.grt import RecurrentStep
 from pipeline.model.layers import CausalSelfAttention
-
-from plot_check import assert_drawn, assert_png_of, capture_figures, texts
+from plot_check import assert_drawn
+from plot_check import assert_png_of
+from plot_check import capture_figures
+from plot_check import texts
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 VOCAB = 64
@@ -138,7 +151,7 @@ def test_attention_statistics_hooks_map_calls_to_steps_and_blocks():
     for block in model.recur.blocks:  # sharper heads than the init's near-uniform ones, so steps and heads differ
         block.attn.c_attn.weight.mul_(6.0)
     data = batches()
-    res = attention_statistics(model, data, 3, "cpu")
+    res = traced_pass(model, data, 3, "cpu", ["attention"], noise=False, analysis_tokens=0)["attention"]
     assert np.ptp(np.array(res["entropy"])) > 0.3  # heads that differ, or the mapping check below means little
     ref = reference_attention(model, [x for x, _ in data], 3)
     for name, want in ref.items():
@@ -307,10 +320,11 @@ def test_plots_draw_their_data(tmp_path, monkeypatch):
     figs = capture_figures(monkeypatch)
     model = tiny_grt()
     data = batches(n=1)
-    gate = gate_attribution(model, data, 3, "cpu")
+    traced = traced_pass(model, data, 3, "cpu", ["gate_attribution", "attention"], noise=False, analysis_tokens=0)
+    gate = traced["gate_attribution"]
     proj = projection_analysis(model.recur)
     bare = projection_analysis(tiny_grt(reinject=False, gate="none").recur)
-    attn = attention_statistics(model, data, 3, "cpu")
+    attn = traced["attention"]
     traces = next_token_traces(model, ["ab", "xyz"], 3, encode, str)
     paths = [plot_gate_attribution(gate, tmp_path / "gate.png"), plot_projection(proj, tmp_path / "proj.png"),
              plot_projection(bare, tmp_path / "bare.png"), plot_attention(attn, tmp_path / "attn.png"),

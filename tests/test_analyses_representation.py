@@ -1,4 +1,4 @@
-"""The representation analyses of Appendix E.3-E.6 and E.10 (pipeline/eval/representation.py) against hand
+"""The representation analyses of Appendix E.3-E.6 and E.10 (pipeline/eval/analyses/representation.py) against hand
 computations and independent float64 implementations; their plots write PNGs."""
 from __future__ import annotations
 
@@ -8,14 +8,25 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.config import GPTConfig
-from pipeline.eval.representation import (SuccessiveStates, TokenGateMean, TokenSample, cka_matrix, cross_cka,
-                                          dense_layer_states, effective_rank, effective_rank_by_step, gate_difficulty,
-                                          gate_difficulty_by_step, linear_cka, relative_improvement)
-from pipeline.eval.representation_plots import plot_cka, plot_representation
+from pipeline.eval.analyses.representation import SuccessiveStates
+from pipeline.eval.analyses.representation import TokenGateMean
+from pipeline.eval.analyses.representation import TokenSample
+from pipeline.eval.analyses.representation import cka_matrix
+from pipeline.eval.analyses.representation import cross_cka
+from pipeline.eval.analyses.representation import dense_layer_states
+from pipeline.eval.analyses.representation import effective_rank
+from pipeline.eval.analyses.representation import effective_rank_by_step
+from pipeline.eval.analyses.representation import gate_difficulty
+from pipeline.eval.analyses.representation import gate_difficulty_by_step
+from pipeline.eval.analyses.representation import linear_cka
+from pipeline.eval.analyses.representation import relative_improvement
+from pipeline.eval.analyses.representation_plots import plot_cka
+from pipeline.eval.analyses.representation_plots import plot_representation
 from pipeline.model import build_model
-
-from plot_check import assert_drawn, assert_png_of, capture_figures
+from pipeline.model.configs import GPTConfig
+from plot_check import assert_drawn
+from plot_check import assert_png_of
+from plot_check import capture_figures
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

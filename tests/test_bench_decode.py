@@ -147,7 +147,7 @@ def test_table3_fields_and_ratios_from_the_measured_numbers():
 def test_decode_bench_imports_nothing_a_bare_gpu_image_lacks():
     """`make gpu-check` runs bench/decode.py on a machine with torch and triton only: building its models imports
     neither DeepSpeed nor MLflow nor tiktoken."""
-    code = ("import runpy, sys; sys.path.insert(0, 'bench'); sys.argv = ['decode']; "
+    code = ("import runpy, sys; sys.argv = ['decode']; "
             "d = runpy.run_path('bench/decode.py', run_name='not_main'); d['paper_size_formula'](); "
             "print(sorted({m.split('.')[0] for m in sys.modules} & {'deepspeed', 'mlflow', 'tiktoken'}))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=BENCH.parent, timeout=120)

@@ -6,11 +6,10 @@ import copy
 import pytest
 import torch
 
-from ops import gate as gate_ops
-from pipeline.config import GRTConfig
-from pipeline.model import build_model
-
 from conftest import load_bench
+from ops import gate as gate_ops
+from pipeline.model import build_model
+from pipeline.model.configs import GRTConfig
 
 bench = load_bench("train", "bench_train")
 

@@ -26,9 +26,13 @@ import torch.nn.functional as F
 
 import ops
 from ops import gate as gate_ops
-from pipeline.config import GRTConfig, MoRConfig, OuroConfig, RecurTraceConfig
+from pipeline.model.configs import GRTConfig
+from pipeline.model.configs import MoRConfig
+from pipeline.model.configs import OuroConfig
+from pipeline.model.configs import RecurTraceConfig
 from pipeline.model.registry import build_model
-from pipeline.model.self_kv_attention import attend_reference, attend_tiled
+from pipeline.model.self_kv_attention import attend_reference
+from pipeline.model.self_kv_attention import attend_tiled
 
 BF16 = torch.bfloat16
 BF16_GRAD_TOL = 4e-3  # a gradient computed in fp32 and rounded once to bf16: <= 2^-8 + ~1e-6

@@ -13,9 +13,8 @@ import pytest
 import torch
 import yaml
 
-from pipeline.cli import main as grt
-
 from conftest import tiny_recipe
+from pipeline.cli import main as grt
 from test_export import save_run
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: a second thread only waits on a loaded box

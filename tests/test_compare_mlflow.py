@@ -18,7 +18,7 @@ import yaml
 
 from pipeline.cli import main
 from pipeline.config import TrackingConfig
-from pipeline.eval.compare import collect
+from pipeline.eval.results import collect
 
 HTTP_VARS = ("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "MLFLOW_HTTP_REQUEST_TIMEOUT")
 # measured here: 0.1 s against a closed port, 3.0 s against a silent one (the /health probe's timeout); MLflow's own
@@ -143,9 +143,9 @@ def test_two_runs_of_one_name_are_refused_with_both_ids(store, tmp_path, capsys,
 
 
 def test_a_server_uri_prints_its_url_not_a_mlflow_ui_command(tmp_path, capsys, monkeypatch):
-    import pipeline.eval.compare
+    import pipeline.studies.compare
 
-    monkeypatch.setattr(pipeline.eval.compare, "compare", lambda *a, **k: ("TABLE", tmp_path / "overlay.png"))
+    monkeypatch.setattr(pipeline.studies.compare, "compare", lambda *a, **k: ("TABLE", tmp_path / "overlay.png"))
     code, out, _ = grt(capsys, "compare", "x", "--tracking-uri", "http://10.1.2.3:5000")
     assert code == 0 and "MLflow UI: open http://10.1.2.3:5000 (experiment(s) grt-pipeline)" in out, out
     assert "--backend-store-uri" not in out

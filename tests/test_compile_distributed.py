@@ -19,7 +19,12 @@ import pytest
 import torch
 import yaml
 
-from conftest import free_port, launched_recipe, step_losses, step_values, subprocess_env, tiny_recipe
+from conftest import free_port
+from conftest import launched_recipe
+from conftest import step_losses
+from conftest import step_values
+from conftest import subprocess_env
+from conftest import tiny_recipe
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS, ACCUM, WORLD = 6, 4, 2
@@ -119,7 +124,8 @@ def test_compiled_run_trains_like_eager_and_runs_compiled(runs, backend):
 
 
 def test_zero3_with_compile_is_refused_naming_the_fix(tmp_path, corpus):
-    from pipeline.config import RecipeError, from_dict
+    from pipeline.config import RecipeError
+    from pipeline.config import from_dict
 
     def problems(**train):
         try:

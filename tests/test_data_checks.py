@@ -10,11 +10,18 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pipeline.cli import main
-from pipeline.tokenize.writer import ShardWriter, read_manifest, scan_shard, verify_dataset, write_manifest
-from pipeline.train.data import (SequenceLoader, TokenShards, check_shards, check_windows, validation_batches)
-
 from conftest import subprocess_env
+from pipeline.cli import main
+from pipeline.tokenize.writer import ShardWriter
+from pipeline.tokenize.writer import read_manifest
+from pipeline.tokenize.writer import scan_shard
+from pipeline.tokenize.writer import verify_dataset
+from pipeline.tokenize.writer import write_manifest
+from pipeline.train.data import SequenceLoader
+from pipeline.train.data import TokenShards
+from pipeline.train.data import check_shards
+from pipeline.train.data import check_windows
+from pipeline.train.data import validation_batches
 
 N_VOCAB = 50257  # GPT-2's
 FIX = "grt tokenize RECIPE --force"

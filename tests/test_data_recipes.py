@@ -17,7 +17,8 @@ import pytest
 import yaml
 
 from pipeline.cli import main
-from pipeline.config import RecipeError, load_recipe
+from pipeline.config import RecipeError
+from pipeline.config import load_recipe
 from pipeline.tokenize import tokenize
 
 REPO = Path(__file__).resolve().parents[1]

@@ -21,7 +21,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline.config import GPTConfig, GRTConfig, MoRConfig, OuroConfig, PoissonConfig, RRTConfig, from_dict
+from pipeline.config import from_dict
+from pipeline.model.configs import GPTConfig
+from pipeline.model.configs import GRTConfig
+from pipeline.model.configs import MoRConfig
+from pipeline.model.configs import OuroConfig
+from pipeline.model.configs import PoissonConfig
+from pipeline.model.configs import RRTConfig
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -143,7 +149,10 @@ def hand_exit_states(m, idx, n, seed=None):
     """Eq. 2 by hand, noise off (``seed`` None) or with the training noise drawn after torch.manual_seed(seed):
     eps_x on the projection input every step (or on h^(0) with state_noise=init), eps_g in the gate, in the model's
     order. Returns the states after coda + LN_f at r = 0..n and the gate's mean at r = 1..n."""
-    from test_model import block, embed, grt_step, ln
+    from test_model import block
+    from test_model import embed
+    from test_model import grt_step
+    from test_model import ln
 
     cfg, noise = m.cfg, seed is not None
     if noise:
@@ -220,7 +229,10 @@ def test_grt_exit_states_noise_is_seeded_and_vanishes_at_sigma_zero():
 
 
 def test_poisson_exit_states_with_noise_start_from_the_training_draw():
-    from test_model_poisson import batch, reference_loss, small, trunc_normal_state
+    from test_model_poisson import batch
+    from test_model_poisson import reference_loss
+    from test_model_poisson import small
+    from test_model_poisson import trunc_normal_state
 
     m = small().eval()
     idx, tgt = batch(m)
@@ -238,7 +250,8 @@ def test_poisson_exit_states_with_noise_start_from_the_training_draw():
 
 
 def test_only_the_noisy_types_accept_eval_noise():
-    from pipeline.model.registry import MODEL_CONFIGS, NOISY_TYPES
+    from pipeline.model.configs import MODEL_CONFIGS
+    from pipeline.model.registry import NOISY_TYPES
 
     idx = torch.randint(0, 64, (1, 8))
     kw = {"rrt": {"lora_rank": 2}}
@@ -258,7 +271,8 @@ STEPS, CKPT_EVERY, KILL_AFTER, ACCUM = 6, 3, 5, 4  # 2 ranks x 2 micro-steps; ki
 
 
 def launch(recipe: Path, name: str, record: Path, **env) -> subprocess.CompletedProcess:
-    from conftest import free_port, subprocess_env
+    from conftest import free_port
+    from conftest import subprocess_env
 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
            str(Path(__file__).resolve()), str(recipe), name, str(record)]
@@ -278,7 +292,8 @@ def recorded(record: Path, rank: int) -> dict[int, list]:
 def test_two_ranks_run_the_same_micro_step_depths_and_resume_exactly(tmp_path):
     """FSDP over gloo, 2 ranks x 2 micro-steps: what each rank's forwards ran is recorded; a rank on another depth
     would call other modules (here gloo fails at once). Killed after step 5, resumed from step 3: exact losses."""
-    from conftest import launched_recipe, step_losses
+    from conftest import launched_recipe
+    from conftest import step_losses
     from resume_check import assert_resumed
 
     recipe = launched_recipe(tmp_path, max_steps=STEPS, checkpoint_interval=CKPT_EVERY, eval_interval=100,

@@ -1,7 +1,7 @@
 """A disk that fills during a checkpoint save (issue #24, item 7): one line that says so, the save's unfinished
 staging folder removed, stopped.json written, exit 1; the checkpoint before stays intact and resumes the run.
 
-The disk fills by the GRT_FAULT_DISK_FULL hook (pipeline/train/trainer.py): once the given bytes are written into the
+The disk fills by the GRT_FAULT_DISK_FULL hook (pipeline/train/faults.py): once the given bytes are written into the
 step's staging folder, the next write fails with ENOSPC from inside torch.save (or DCP's writer), as on a real full
 filesystem (checked by hand on a 30 MB tmpfs, which a test cannot mount without root). The 2-rank sharded async case
 is in tests/test_sharded_checkpoint.py."""
@@ -12,13 +12,13 @@ import os
 
 import yaml
 
-from pipeline.train import faults
+from conftest import step_losses
+from conftest import tiny_recipe
 from pipeline.cli import main as grt
 from pipeline.config import from_dict
 from pipeline.tokenize import tokenize
+from pipeline.train import faults
 from pipeline.train.checkpoint import verify_checkpoint
-
-from conftest import step_losses, tiny_recipe
 
 
 def tokenized_recipe(tmp_path, corpus, **train):

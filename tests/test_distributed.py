@@ -6,7 +6,8 @@
 - exact resume: SIGKILL between checkpoints, start again: the second run says it resumed at the checkpoint and trains
   only the steps after it, with per-step losses equal to an uninterrupted run's, for single, ddp, fsdp (also with
   activation checkpointing) and ZeRO 1, 2 and 3; a ddp checkpoint resumes under fsdp, ZeRO-1 on another world size;
-- SIGTERM and SIGINT save and exit 143 / 130, and the run resumes exactly; a dying rank makes the other fail within the collective timeout.
+- SIGTERM and SIGINT save and exit 143 / 130, and the run resumes exactly;
+  a dying rank makes the other fail within the collective timeout.
 """
 from __future__ import annotations
 
@@ -21,8 +22,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import free_port, launched_recipe, printed_steps, step_losses, step_values, subprocess_env
 import resume_check
+from conftest import free_port
+from conftest import launched_recipe
+from conftest import printed_steps
+from conftest import step_losses
+from conftest import step_values
+from conftest import subprocess_env
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS, CKPT_EVERY, KILL_AFTER = 20, 8, 11  # kill once step 11 is logged: 3 steps past the checkpoint at 8
@@ -98,7 +104,7 @@ def uninterrupted(setup):
 def final_weights(setup, uninterrupted):
     """The weights of each backend's last checkpoint, read the way `grt eval` reads them (any format: full, DCP
     shards, DeepSpeed ZeRO files)."""
-    from pipeline.eval.stage import load_trained
+    from pipeline.train.trained import load_trained
 
     tmp, _ = setup
     return {b: load_trained(tmp / "runs" / f"full-{b}", device="cpu")[0].state_dict() for b in BACKENDS}
@@ -154,7 +160,8 @@ def test_sigkill_and_resume_continue_exactly(setup, uninterrupted, backend):
     name = f"killed-{backend}"
     run_dir = tmp / "runs" / name
     # every rank SIGKILLs itself right after step 11 is logged (GRT_FAULT_KILL_AT_STEP): between checkpoints
-    p = subprocess.run(command(backend, recipe, name), cwd=REPO, env=dict(subprocess_env(), GRT_FAULT_KILL_AT_STEP=str(KILL_AFTER)),
+    p = subprocess.run(command(backend, recipe, name), cwd=REPO,
+                       env=dict(subprocess_env(), GRT_FAULT_KILL_AT_STEP=str(KILL_AFTER)),
                        capture_output=True, text=True, timeout=600)
     assert p.returncode != 0
     assert max(step_losses(run_dir)) == KILL_AFTER
@@ -206,8 +213,8 @@ def test_a_dying_rank_stops_the_other_with_a_clear_error(setup):
     tmp, recipe = setup
     t0 = time.time()
     p = subprocess.run(command("ddp", recipe, "dying") + ["train.max_steps=100000"], cwd=REPO,
-                       env=dict(subprocess_env(), GRT_FAULT_KILL_AT_STEP="3", GRT_FAULT_KILL_RANK="1"), capture_output=True,
-                       text=True, timeout=120)
+                       env=dict(subprocess_env(), GRT_FAULT_KILL_AT_STEP="3", GRT_FAULT_KILL_RANK="1"),
+                       capture_output=True, text=True, timeout=120)
     assert time.time() - t0 < 90  # bounded (collective timeout 30 s here), not a hang
     assert p.returncode != 0
     out = p.stdout + p.stderr
@@ -219,7 +226,8 @@ def test_a_kill_during_a_checkpoint_save_leaves_the_previous_one_loadable(setup,
     tmp, recipe = setup
     name = "killed-in-save"
     run_dir = tmp / "runs" / name
-    p = subprocess.run(command("single", recipe, name), cwd=REPO, env=dict(subprocess_env(), GRT_FAULT_KILL_IN_SAVE="16"),
+    p = subprocess.run(command("single", recipe, name), cwd=REPO,
+                       env=dict(subprocess_env(), GRT_FAULT_KILL_IN_SAVE="16"),
                        capture_output=True, text=True, timeout=300)
     assert p.returncode != 0
     ckpts = sorted(q.name for q in (run_dir / "checkpoints").iterdir())

@@ -10,9 +10,10 @@ import pytest
 import torch
 import yaml
 
+from conftest import make_corpus
+from conftest import subprocess_env
+from conftest import tiny_recipe
 from pipeline.cli import main
-
-from conftest import make_corpus, subprocess_env, tiny_recipe
 
 REPO = Path(__file__).resolve().parents[1]
 QUICK = str(REPO / "recipes" / "quickstart-grt.yaml")

@@ -12,17 +12,25 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from conftest import SHARED_DATA
+from conftest import tiny_recipe
 from pipeline.config import from_dict
-from pipeline.eval.dynamics import anchor_ablation, band_losses, decile_losses, step_statistics, trace_steps
-from pipeline.eval.exits import exit_curve
-from pipeline.eval.harness import DepthScorer, GRTLM
-from pipeline.eval.scoring import greedy_generate
+from pipeline.eval.analyses.dynamics import anchor_ablation
+from pipeline.eval.analyses.dynamics import band_losses
+from pipeline.eval.analyses.dynamics import decile_losses
+from pipeline.eval.analyses.dynamics import trace_steps
+from pipeline.eval.analyses.suite import traced_pass
+from pipeline.eval.exit_losses import exit_curve
+from pipeline.eval.lm_eval.harness import GRTLM
+from pipeline.eval.lm_eval.harness import DepthScorer
+from pipeline.eval.lm_eval.scoring import greedy_generate
 from pipeline.model import build_model
 from pipeline.tokenize.bpe import gpt2_encoding
-
-from conftest import SHARED_DATA, tiny_recipe
-from test_model import block, ln, linear
-from plot_check import assert_png_of, capture_figures
+from plot_check import assert_png_of
+from plot_check import capture_figures
+from test_model import block
+from test_model import linear
+from test_model import ln
 
 ENC = gpt2_encoding()
 PAIRS = [("The gate decides how much", " of the state"), ("A", " b c d e f"), ("", "Hello world"),
@@ -104,13 +112,15 @@ def test_one_forward_serves_every_depth():
     shared = DepthScorer(model, [1, 3, 6], 4, cfg.model.block_size, ENC.eot_token)
     for depth in (1, 3, 6):
         alone = DepthScorer(model, [depth], 4, cfg.model.block_size, ENC.eot_token)
-        for (a, ga), (b, gb) in zip(shared.loglikelihoods(reqs, depth, False), alone.loglikelihoods(reqs, depth, False)):
+        together, apart = shared.loglikelihoods(reqs, depth, False), alone.loglikelihoods(reqs, depth, False)
+        for (a, ga), (b, gb) in zip(together, apart):
             assert a == pytest.approx(b, abs=1e-5) and ga == gb
 
 
 @pytest.mark.parametrize("model_type", ["grt", "gpt"])
 def test_loglikelihood_rolling_against_lm_evals_windows(model_type):
-    from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+    from lm_eval.utils import get_rolling_token_windows
+    from lm_eval.utils import make_disjoint_window
 
     model, cfg = small(model_type)
     lm = GRTLM(model=model, cfg=cfg, batch_size=3)
@@ -172,8 +182,6 @@ def test_exit_curve_loss_kl_top1_from_full_logits():
         assert res["kl"][j] == pytest.approx(kl, abs=1e-5)
         assert res["top1"][j] == pytest.approx((lp.argmax(-1) == ref.argmax(-1)).double().mean().item())
     assert res["kl"][3] == 0 and res["top1"][3] == 1
-    one_pass = model.exit_losses(x, y, 6)  # checked against separate forwards in test_model
-    assert res["loss"] == pytest.approx([one_pass["loss_r0"]] + one_pass["loss"], abs=1e-4)
     assert res["token_losses"].shape == (96, 7)
 
 
@@ -181,14 +189,15 @@ def test_dense_exit_curve_per_layer():
     model, cfg = small("gpt")
     x, y = torch.randint(0, 50257, (2, 32)), torch.randint(0, 50257, (2, 32))
     res = exit_curve(model, [(x, y)], [1, 2, 3], 3, torch.device("cpu"))
-    assert res["loss"] == pytest.approx(model.exit_losses(x, y)["loss"], abs=1e-4)
+    want = [F.cross_entropy(model(x, n_steps=k)[0].flatten(0, 1), y.flatten()).item() for k in (1, 2, 3)]
+    assert res["loss"] == pytest.approx(want, abs=1e-4)
     assert res["top1"][-1] == 1.0 and res["kl"][-1] == 0.0
 
 
 def test_step_statistics_follow_eq3_and_eq4_by_hand():
     model, cfg = small("grt")
     x = torch.randint(0, 50257, (2, 32))
-    stats = step_statistics(model, [(x, None)], 4, torch.device("cpu"))
+    stats = traced_pass(model, [(x, None)], 4, torch.device("cpu"), ["steps"], noise=False, analysis_tokens=0)["steps"]
     rs, tau = model.recur, model.cfg.tau
     with torch.no_grad():
         h = h_pre = model.encode(x)  # init_state = prelude
@@ -258,9 +267,9 @@ def test_anchor_ablations_and_forced_gates():
                     gate1=ablated_loss_by_hand(model, x, y, 3, "prelude", gate=1.0))
     for key, loss in want.items():
         assert ab[key] == pytest.approx(loss, abs=2e-6), key
-    curve = model.exit_losses(x, y, 3)  # the model's own paths agree: as trained, and never updating = r = 0
-    assert ab["prelude"] == pytest.approx(curve["loss"][-1], abs=1e-4)
-    assert ab["gate1"] == pytest.approx(curve["loss_r0"], abs=1e-4)
+    with torch.no_grad():  # the model's own forward agrees: as trained, and never updating = r = 0
+        assert ab["prelude"] == pytest.approx(model(x, y, n_steps=3)[1].item(), abs=1e-4)
+        assert ab["gate1"] == pytest.approx(model(x, y, n_steps=0)[1].item(), abs=1e-4)
     assert min(abs(a - b) for a, b in itertools.combinations(want.values(), 2)) > 1e-3  # each changes the model
     assert [r for r, *_ in trace_steps(model, x, 2, "embedding")] == [1, 2]
 
@@ -319,7 +328,7 @@ def make_task_data(root: Path, n: int = 6) -> Path:
 def test_local_task_prompts_match_lm_evals_templates(tmp_path):
     from lm_eval.tasks import TaskManager
 
-    from pipeline.eval.downstream import TASKS_DIR
+    from pipeline.eval.lm_eval.downstream import TASKS_DIR
 
     root = make_task_data(tmp_path / "eval")
     tm = TaskManager(include_path=str(TASKS_DIR), include_defaults=False, metadata={"data_dir": str(root)})
@@ -341,8 +350,9 @@ def test_task_input_check_lists_exactly_the_files_each_loader_reads(tmp_path):
     and the check must name each one that is missing."""
     import shutil
 
-    from pipeline.eval.downstream import TASK_FILES, check_task_inputs
-    from pipeline.eval.tasks import local_data as ld
+    from pipeline.eval.lm_eval.downstream import TASK_FILES
+    from pipeline.eval.lm_eval.downstream import check_task_inputs
+    from pipeline.eval.lm_eval.tasks import local_data as ld
 
     full = make_task_data(tmp_path / "full")
     assert sorted(str(p.relative_to(full)) for p in full.rglob("*") if p.is_file()) == \
@@ -362,7 +372,7 @@ def test_task_input_check_lists_exactly_the_files_each_loader_reads(tmp_path):
 
 @pytest.mark.skipif(not (SHARED_DATA / "eval").is_dir(), reason="needs ../shared/data/eval")
 def test_local_task_files_give_the_published_item_counts():
-    from pipeline.eval.tasks import local_data as ld
+    from pipeline.eval.lm_eval.tasks import local_data as ld
 
     root = str(SHARED_DATA / "eval")
     counts = {"lambada": ("test", 5153), "hellaswag": ("validation", 10042), "arc_easy": ("test", 2376),
@@ -372,9 +382,9 @@ def test_local_task_files_give_the_published_item_counts():
         assert len(getattr(ld, name)(data_dir=root)[split]) == n, name
 
 
-# The metrics lm-eval defines for each of the seven tasks (its own task configs, mirrored in pipeline/eval/tasks/*.yaml
-# metric_list), written out here so that a metric missing on either side fails the test instead of being skipped;
-# every one comes with its standard error.
+# The metrics lm-eval defines for each of the seven tasks (its own task configs, mirrored in
+# pipeline/eval/lm_eval/tasks/*.yaml metric_list), written out here so that a metric missing on either side fails the
+# test instead of being skipped; every one comes with its standard error.
 TASK_METRICS = {"lambada_openai": ("perplexity", "acc"), "hellaswag": ("acc", "acc_norm"),
                 "arc_easy": ("acc", "acc_norm"), "arc_challenge": ("acc", "acc_norm"), "piqa": ("acc", "acc_norm"),
                 "boolq": ("acc",), "winogrande": ("acc",)}
@@ -387,7 +397,7 @@ BOOTSTRAPPED = {"perplexity_stderr"}
 def test_grt_eval_and_lm_eval_shell_give_the_same_numbers(tmp_path, corpus):
     """Train a tiny run, score all seven tasks at two depths with `grt eval eval.tasks=...` and with the `lm_eval`
     command (one process per depth, `--model grt --model_args checkpoint=...,n_steps=...`, the data folder through
-    --metadata as the README shows): each task reports exactly lm-eval's metric set on both sides and every value is
+    --metadata as docs/eval.md shows): each task reports exactly lm-eval's metric set on both sides and every value is
     bit for bit the same (but the bootstrapped perplexity stderr, see BOOTSTRAPPED); --limit / eval.task_limit cut
     both to 8 of the files' 10 items. MLflow has the per-depth metrics and the JSON artifact."""
     from pipeline.eval.stage import evaluate
@@ -409,7 +419,8 @@ def test_grt_eval_and_lm_eval_shell_give_the_same_numbers(tmp_path, corpus):
         out_dir = tmp_path / f"lm_eval_{depth}"
         out = subprocess.run([str(lm_eval), "--model", "grt", "--model_args",
                               f"checkpoint={cfg.run_dir},n_steps={depth}", "--tasks", ",".join(tasks),
-                              "--include_path", "pipeline/eval/tasks", "--batch_size", "5", "--limit", str(limit),
+                              "--include_path", "pipeline/eval/lm_eval/tasks", "--batch_size", "5",
+                              "--limit", str(limit),
                               "--metadata", json.dumps({"data_dir": str(data)}), "--output_path", str(out_dir)],
                              capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1], timeout=300)
         assert out.returncode == 0, out.stderr[-3000:]
@@ -431,7 +442,7 @@ def test_grt_eval_and_lm_eval_shell_give_the_same_numbers(tmp_path, corpus):
     assert sorted(m.step for m in hist) == [1, 3]
     arts = {a.path for a in client.list_artifacts(res["mlflow_run_id"], "eval")}
     assert {"eval/downstream.json", "eval/diagnostics.png", "eval/gate_heatmap.png", "eval/exits.json"} <= arts
-    from pipeline.eval.compare import collect  # selection by MLflow tag (set from tracking.tags)
+    from pipeline.eval.results import collect  # selection by MLflow tag (set from tracking.tags)
     assert [r["name"] for r in collect([], cfg.tracking, tags={"study": "harness"})] == ["tiny"]
     assert collect([], cfg.tracking, tags={"study": "other"}) == []
 
@@ -489,7 +500,8 @@ def test_adapter_refuses_a_depth_past_the_last_recursion():
 
 def test_ouro_exit_distribution_and_q_exit_rule_by_hand():
     """Mean p_t and, per q, the loss of exiting each token at the first loop whose cumulative p reaches q."""
-    from pipeline.eval.methods import Q_LEVELS, ouro_report
+    from pipeline.eval.analyses.methods import Q_LEVELS
+    from pipeline.eval.analyses.methods import ouro_report
 
     model, cfg = small("ouro")
     with torch.no_grad():
@@ -519,7 +531,7 @@ def test_ouro_exit_distribution_and_q_exit_rule_by_hand():
 
 
 def test_mor_report_fractions_and_causal_loss():
-    from pipeline.eval.methods import mor_report
+    from pipeline.eval.analyses.methods import mor_report
     from pipeline.model.mor import capacity_tokens
 
     model, cfg = small("mor")
@@ -538,7 +550,7 @@ def test_mor_report_fractions_and_causal_loss():
 
 
 def test_compare_shows_training_throughput_and_its_ratio_to_dense(tmp_path):
-    from pipeline.eval.compare import format_results
+    from pipeline.studies.compare import format_results
 
     def res(name, kind, rate):
         return {"name": name, "type": kind, "shorthand": "x", "params": 1e6, "step": 10, "tokens_trained": 1e4,

@@ -19,12 +19,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from conftest import tiny_recipe
 from pipeline.config import from_dict
 from pipeline.model import build_model
 from pipeline.tokenize.bpe import gpt2_encoding
-
-from conftest import tiny_recipe
-from test_model import linear, ln
+from test_model import linear
+from test_model import ln
 
 GRT = {"type": "grt", "vocab_size": 50257, "block_size": 64, "d_model": 32, "n_head": 2, "n_prelude": 1,
        "n_core": 2, "n_coda": 1, "n_recurrence": 2}  # R = 2
@@ -40,7 +40,9 @@ IDS = [[15496, 995, 0, 383, 8946, 13267, 703, 881, 11, 220, 628, 42], [7, 1, 502
 def save_run(tmp: Path, model_section: dict, fmt: str, seed: int):
     """A one-checkpoint run written by the training backend itself (state.pt + shards or weights, index, recipe)."""
     from pipeline.train.backend import SingleProcess
-    from pipeline.train.checkpoint import prepare_staging, publish, staging_dir
+    from pipeline.train.checkpoint import prepare_staging
+    from pipeline.train.checkpoint import publish
+    from pipeline.train.checkpoint import staging_dir
 
     recipe = tiny_recipe(tmp, tmp, train={"checkpoint_format": fmt})
     recipe["model"] = dict(model_section)
@@ -381,7 +383,7 @@ def test_folder_has_the_config_fields_auto_map_and_self_contained_code(exported)
     config = json.loads((folder / "config.json").read_text())
     for key, value in vars(exported["grt_cfg"]).items():
         assert config[key] == value, key
-    assert config["auto_map"] == {"AutoConfig": "configuration_grt.GRTConfig",
+    assert config["auto_map"] == {"AutoConfig": "configuration_grt.GRTHFConfig",
                                   "AutoModelForCausalLM": "modeling_grt.GRTForCausalLM"}
     assert config["n_steps"] is None and config["kv_strategy"] == "full"
     template = Path(__file__).resolve().parents[1] / "pipeline" / "export" / "hf_template"

@@ -14,14 +14,19 @@ import torch
 
 import ops
 from ops import gate as gate_ops
-from pipeline.config import GRTConfig
 from pipeline.model import build_model
+from pipeline.model.configs import GRTConfig
 from pipeline.model.grt import RecurrentStep
 from pipeline.train.parallelize import compile_targets
-
-from test_gpu import (SEED_CLASSES, assert_iid_standard_normal, check_compiled_training_matches_eager,
-                      check_gate_noise_forward_backward, check_state_noise_kernel)
-from test_model import block, embed, grt_step, head_loss
+from test_gpu import SEED_CLASSES
+from test_gpu import assert_iid_standard_normal
+from test_gpu import check_compiled_training_matches_eager
+from test_gpu import check_gate_noise_forward_backward
+from test_gpu import check_state_noise_kernel
+from test_model import block
+from test_model import embed
+from test_model import grt_step
+from test_model import head_loss
 
 triton = pytest.importorskip("triton")
 SHAPES = [(3, 37, 11), (1000,), (2, 1025), (0, 4)]  # odd sizes, a masked tail past one 1024-block, empty
@@ -354,9 +359,9 @@ def test_a_model_built_on_meta_first_still_computes():
     op's fake kernel: the logits equal the plain-PyTorch trace of the same steps."""
     code = """
 import torch
-from pipeline.config import GRTConfig
+from pipeline.model.configs import GRTConfig
 from pipeline.model import build_model
-from pipeline.eval.dynamics import trace_steps
+from pipeline.eval.analyses.dynamics import trace_steps
 cfg = GRTConfig(vocab_size=64, block_size=16, d_model=32, n_head=2, n_prelude=1, n_core=1, n_coda=1, n_recurrence=3)
 build_model(cfg, device="meta")
 m = build_model(cfg).eval()

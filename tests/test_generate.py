@@ -10,17 +10,18 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import tiny_recipe
 from pipeline.cli import main
 from pipeline.config import from_dict
-from pipeline.infer.early_exit import CRITERIA, EarlyExit
+from pipeline.infer.early_exit import CRITERIA
+from pipeline.infer.early_exit import EarlyExit
 from pipeline.infer.generate import generate
-from pipeline.infer.sampling import Sampler, seeded_generator
+from pipeline.infer.sampling import Sampler
+from pipeline.infer.sampling import seeded_generator
 from pipeline.infer.text import TokenText
 from pipeline.model import build_model
 from pipeline.model.kv_cache import KVCache
 from pipeline.tokenize.bpe import gpt2_encoding
-
-from conftest import tiny_recipe
 
 ENC = gpt2_encoding()
 EOT = ENC.eot_token
@@ -377,7 +378,9 @@ def test_early_exit_refusals_name_the_fix():
 def save_run(tmp: Path, model, cfg) -> Path:
     """A one-checkpoint run written by the training backend itself."""
     from pipeline.train.backend import SingleProcess
-    from pipeline.train.checkpoint import prepare_staging, publish, staging_dir
+    from pipeline.train.checkpoint import prepare_staging
+    from pipeline.train.checkpoint import publish
+    from pipeline.train.checkpoint import staging_dir
 
     root = cfg.run_dir / "checkpoints"
     prepare_staging(root, 5)

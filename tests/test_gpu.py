@@ -138,7 +138,8 @@ def check_compiled_training_matches_eager(model: torch.nn.Module, idx: torch.Ten
     (fused kernels, reductions regrouped, a Triton sigmoid): this test's GPU shapes under inductor on a CPU (batch
     2) give losses within 1e-7 and gradients within 1e-6 of their norm (worst: the gate's LayerNorms, 9.5e-7), so
     the defaults leave a factor of 10 or more (calibrated on a CPU: not yet run on a GPU; a GPU failure message
-    lists each parameter's error, to tell rounding from a bug). The weights are synced because independent trajectories drift apart with
+    lists each parameter's error, to tell rounding from a bug). The weights are synced because independent trajectories
+    drift apart with
     no bug at all: AdamW's first updates are ~lr * sign(g), and a near-zero gradient element whose sign rounding
     flips moves its weight by 2 lr. Returns the compiled copy."""
     from pipeline.train.parallelize import apply_compile
@@ -311,8 +312,8 @@ def test_cuda_compiled_fused_training_matches_eager():
     """Compiled (inductor) + the Triton gate kernels against eager + the reference ops, float32, 10 training steps
     at depths 1..4: each step's loss to 1e-5 and every gradient to 1e-5 of its norm, from the same weights (see
     check_compiled_training_matches_eager)."""
-    from pipeline.config import GRTConfig
     from pipeline.model import build_model
+    from pipeline.model.configs import GRTConfig
 
     torch.manual_seed(0)
     cfg = GRTConfig(vocab_size=1024, block_size=128, d_model=256, n_head=4, n_prelude=1, n_core=2, n_coda=1,
@@ -328,8 +329,8 @@ def test_cuda_compiled_noisy_step_has_no_cpu_kernel_and_matches_eager():
     need a host compiler."""
     from torch._inductor.utils import run_and_get_code
 
-    from pipeline.config import GRTConfig
     from pipeline.model import build_model
+    from pipeline.model.configs import GRTConfig
     from pipeline.train.parallelize import apply_compile
 
     torch.manual_seed(0)

@@ -29,6 +29,7 @@ def dead(pid: int) -> bool:
         return True
 
 
+@pytest.mark.multiprocess  # bench/gpu_check.py starts the processes
 def test_phase_past_its_cap_is_killed_with_its_children_and_keeps_its_output(tmp_path):
     code = ("import subprocess, sys, time; p = subprocess.Popen(['sleep', '300']); "
             "print('pid', p.pid, flush=True); print('halfway there', file=sys.stderr, flush=True); time.sleep(300)")
@@ -66,6 +67,7 @@ def helper():
 '''
 
 
+@pytest.mark.multiprocess  # bench/gpu_check.py starts the processes
 def test_tests_reach_the_json_one_by_one_and_survive_the_kill(tmp_path):
     path, results, out = tmp_path / "fake_gpu_tests.py", tmp_path / "tests.jsonl", tmp_path / "out"
     path.write_text(textwrap.dedent(FAKE_TESTS))

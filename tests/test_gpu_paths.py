@@ -22,7 +22,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import free_port, launched_recipe, step_losses, subprocess_env
+from conftest import free_port
+from conftest import launched_recipe
+from conftest import step_losses
+from conftest import subprocess_env
 
 REPO = Path(__file__).resolve().parents[1]
 

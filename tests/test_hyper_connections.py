@@ -8,15 +8,16 @@ import pytest
 import torch
 import yaml
 
+from conftest import tiny_recipe
 from pipeline.cli import main
-from pipeline.config import GRTConfig, RecipeError, from_dict
+from pipeline.config import RecipeError
+from pipeline.config import from_dict
 from pipeline.model import build_model
+from pipeline.model.configs import GRTConfig
 from pipeline.model.hyper_connections import HyperConnectedBlock
 from pipeline.model.kv_cache import KVCache
 from pipeline.model.layers import Block
 from pipeline.train.optim import param_groups
-
-from conftest import tiny_recipe
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny ops run faster on one thread
 
@@ -148,8 +149,8 @@ def test_hyper_streams_below_one_is_refused():
 
 def test_grt_train_and_info_with_hyper_streams(tmp_path, corpus, capsys):
     """`grt info` counts the HC parameters; `grt train` runs a few steps; the mixing weights move off their init."""
-    from pipeline.eval.stage import load_trained
     from pipeline.tokenize import tokenize
+    from pipeline.train.trained import load_trained
 
     recipe = tiny_recipe(tmp_path, corpus, {"n_core": 2, "hyper_streams": 2},
                          train={"max_steps": 3, "eval_interval": 3, "checkpoint_interval": 3, "grad_accum_steps": 1})
@@ -173,7 +174,7 @@ def test_grt_train_and_info_with_hyper_streams(tmp_path, corpus, capsys):
 def test_info_notes_the_stream_mix_flops_eq1_leaves_out():
     """Per sublayer A_m (n d multiply-adds), A_r (n^2 d) and B (n d): (2n^2 + 4n) d FLOPs, two sublayers per core
     block, counted by hand at n = 3, d = 16, n_core = 2."""
-    from pipeline.config import GRTConfig
+    from pipeline.model.configs import GRTConfig
     from pipeline.model.grt import GRT
 
     cfg = GRTConfig(vocab_size=64, block_size=8, d_model=16, n_head=2, n_core=2, hyper_streams=3)

@@ -11,17 +11,26 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import pipeline.eval.exits as exits_mod
-from pipeline.config import (GPTConfig, GRTConfig, MoRConfig, OuroConfig, PoissonConfig, RecurrentTransformerConfig,
-                             RecurTraceConfig, RRTConfig, from_dict)
-from pipeline.eval.exits import exit_curve, exit_stats, head_chunk
+import pipeline.eval.exit_losses as exits_mod
+from conftest import tiny_recipe
+from pipeline.config import from_dict
+from pipeline.eval.exit_losses import exit_curve
+from pipeline.eval.exit_losses import exit_stats
+from pipeline.eval.exit_losses import head_chunk
 from pipeline.infer.command import option_problems
 from pipeline.infer.generate import generate
-from pipeline.infer.precision import exact_fp32, inference_precision
+from pipeline.infer.precision import exact_fp32
+from pipeline.infer.precision import inference_precision
 from pipeline.model import build_model
+from pipeline.model.configs import GPTConfig
+from pipeline.model.configs import GRTConfig
+from pipeline.model.configs import MoRConfig
+from pipeline.model.configs import OuroConfig
+from pipeline.model.configs import PoissonConfig
+from pipeline.model.configs import RecurrentTransformerConfig
+from pipeline.model.configs import RecurTraceConfig
+from pipeline.model.configs import RRTConfig
 from pipeline.model.kv_cache import KVCache
-
-from conftest import tiny_recipe
 
 BASE = dict(vocab_size=96, block_size=32, d_model=16, n_head=2)
 LOOP = dict(n_prelude=1, n_core=1, n_coda=1, n_recurrence=3)

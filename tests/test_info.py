@@ -62,8 +62,10 @@ def test_gpt2_small_eq1_published_figures(capsys):
 def test_training_flops_of_each_method_by_hand():
     """The trainer's MFU basis: 3x the forward, minus what Poisson's no-grad steps skip, with MoR's capacities,
     with Ouro's head at every loop."""
-    from pipeline.config import MoRConfig, OuroConfig, PoissonConfig
     from pipeline.model import model_class
+    from pipeline.model.configs import MoRConfig
+    from pipeline.model.configs import OuroConfig
+    from pipeline.model.configs import PoissonConfig
 
     d, S, V = 64, 32, 100
     block = 24 * d * d + 4 * S * d

@@ -19,7 +19,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import free_port, launched_recipe, subprocess_env
+from conftest import free_port
+from conftest import launched_recipe
+from conftest import subprocess_env
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -98,7 +100,8 @@ def test_nodes_with_different_recipes_stop_and_a_dead_rank_is_named(tmp_path):
     # watch (4 s) reports it long before the collective timeout (60 s), with the same line and stopped.json
     t0 = time.time()
     (p0, out0, err0), _ = two_nodes(recipe, "frozen", [["train.heartbeat_timeout_s=4"]] * 2, frozen=True,
-                                    GRT_FAULT_KILL_AT_STEP="4", GRT_FAULT_KILL_RANK="1", GRT_FAULT_KILL_SIGNAL="SIGSTOP")
+                                    GRT_FAULT_KILL_AT_STEP="4", GRT_FAULT_KILL_RANK="1",
+                                    GRT_FAULT_KILL_SIGNAL="SIGSTOP")
     frozen_s = time.time() - t0
     run = tmp_path / "runs" / "frozen"
     ckpt = run / "checkpoints" / "step_00000003"

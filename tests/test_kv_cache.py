@@ -19,16 +19,25 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline.config import GPTConfig, GRTConfig, MoRConfig, OuroConfig, PoissonConfig, RRTConfig, from_dict
-from pipeline.eval.harness import GRTLM
-from pipeline.eval.scoring import decode_loglikelihoods, greedy_generate, loglikelihoods
+from conftest import tiny_recipe
+from pipeline.config import from_dict
+from pipeline.eval.lm_eval.harness import GRTLM
+from pipeline.eval.lm_eval.scoring import decode_loglikelihoods
+from pipeline.eval.lm_eval.scoring import greedy_generate
+from pipeline.eval.lm_eval.scoring import loglikelihoods
 from pipeline.infer.generate import generate
 from pipeline.model import build_model
-from pipeline.model.kv_cache import KV_STRATEGIES, KVCache, at_step
+from pipeline.model.configs import GPTConfig
+from pipeline.model.configs import GRTConfig
+from pipeline.model.configs import MoRConfig
+from pipeline.model.configs import OuroConfig
+from pipeline.model.configs import PoissonConfig
+from pipeline.model.configs import RRTConfig
+from pipeline.model.kv_cache import KV_STRATEGIES
+from pipeline.model.kv_cache import KVCache
+from pipeline.model.kv_cache import at_step
 from pipeline.model.layers import CausalSelfAttention
 from pipeline.model.rrt import RRTAttention
-
-from conftest import tiny_recipe
 
 BASE = dict(vocab_size=64, block_size=64, d_model=32, n_head=2)
 CONFIGS = {

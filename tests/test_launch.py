@@ -27,12 +27,19 @@ from pathlib import Path
 import pytest
 import yaml
 
+from conftest import free_port
+from conftest import launched_recipe
+from conftest import step_losses
+from conftest import subprocess_env
+from conftest import tiny_recipe
 from launch import render
-from launch.plan import PORT_BASE, PORT_SPAN, PlanError, job_port, make_plan
+from launch.plan import PORT_BASE
+from launch.plan import PORT_SPAN
+from launch.plan import PlanError
+from launch.plan import job_port
+from launch.plan import make_plan
 from pipeline.cli import main
 from pipeline.config import load_recipe
-
-from conftest import free_port, launched_recipe, step_losses, subprocess_env, tiny_recipe
 
 REPO = Path(__file__).resolve().parents[1]
 GOLDEN = Path(__file__).parent / "golden" / "launch"
@@ -115,7 +122,8 @@ def test_torchrun_commands_parse_as_static_rendezvous():
 
 def test_deepspeed_commands_hostfile_and_env_file_as_deepspeed_reads_them(tmp_path, monkeypatch):
     from deepspeed.launcher.multinode_runner import PDSHRunner
-    from deepspeed.launcher.runner import _parse_hostfile, parse_args
+    from deepspeed.launcher.runner import _parse_hostfile
+    from deepspeed.launcher.runner import parse_args
 
     plan = paper_plan("deepspeed", ZERO3, hosts=["gpu-a", "gpu-b"], environ=ENV)
     (cmd,) = render.commands(plan)
@@ -530,7 +538,8 @@ def nodes(tmp_path_factory):
     runs, timings = tmp / "runs", {}
 
     t0 = time.time()  # the reference: one node, two processes
-    run_nodes([[sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
+    run_nodes([[sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                "--master_port", str(free_port()),
                 "-m", "pipeline.cli", "train", str(path), "name=ref", "train.backend=fsdp"]], subprocess_env())
     timings["reference"] = time.time() - t0
 
@@ -538,7 +547,8 @@ def nodes(tmp_path_factory):
     port_torchrun, port_deepspeed = free_port(), free_port()  # one rendezvous port shared by both simulated nodes
     two = ["--nodes", "2", "--gpus-per-node", "1", "--master-addr", "127.0.0.1"]  # each node runs the preflight
     tr_outs = run_nodes([grt_launch(path, "name=torchrun", "train.backend=fsdp", *two, "--launcher", "torchrun",
-                          "--master-port", str(port_torchrun), "--node-rank", str(k)) for k in (0, 1)], subprocess_env())
+                          "--master-port", str(port_torchrun), "--node-rank", str(k)) for k in (0, 1)],
+                         subprocess_env())
     timings["torchrun"] = time.time() - t0
 
     t0 = time.time()
@@ -550,12 +560,12 @@ def nodes(tmp_path_factory):
     # SLURM: the script written by grt launch, run by bash with srun/scontrol stand-ins
     bindir = fake_slurm(tmp / "fakebin", FAKE_SRUN.format(python=sys.executable))
     subprocess.run(grt_launch(path, "name=slurm", "train.backend=fsdp", "--nodes", "2", "--gpus-per-node", "1",
-                              "--launcher", "slurm", "--grace", "90", "--dry-run"), cwd=REPO, env=subprocess_env(), check=True,
-                   capture_output=True)
+                              "--launcher", "slurm", "--grace", "90", "--dry-run"), cwd=REPO, env=subprocess_env(),
+                   check=True, capture_output=True)
     script = runs / "slurm" / "launch" / "slurm.sbatch"
     requeued = tmp / "requeued"
-    senv = subprocess_env(PATH=f"{bindir}:{os.environ['PATH']}", SLURM_JOB_ID=str(SLURM_JOB_ID), SLURM_JOB_NUM_NODES="2",
-               SLURM_JOB_NODELIST="fake[1-2]", GRT_TEST_REQUEUED=str(requeued),
+    senv = subprocess_env(PATH=f"{bindir}:{os.environ['PATH']}", SLURM_JOB_ID=str(SLURM_JOB_ID),
+               SLURM_JOB_NUM_NODES="2", SLURM_JOB_NODELIST="fake[1-2]", GRT_TEST_REQUEUED=str(requeued),
                GRT_TEST_SLURM_TASKS=str(tmp / "slurm-tasks"))
     t0 = time.time()
     job = subprocess.Popen(["bash", str(script)], cwd=REPO, env=senv, stdout=subprocess.PIPE,

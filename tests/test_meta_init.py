@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline.config import GPTConfig, GRTConfig
-from pipeline.model import build_model
-from pipeline.train.materialize import _check_materialized
-
 from conftest import free_port
+from pipeline.model import build_model
+from pipeline.model.configs import GPTConfig
+from pipeline.model.configs import GRTConfig
+from pipeline.train.materialize import _check_materialized
 
 REPO = Path(__file__).resolve().parents[1]
 WORKER = REPO / "tests" / "meta_init_worker.py"
@@ -128,7 +128,7 @@ def test_sharded_builds_equal_the_plain_build(tmp_path):
             checked.append(where)
     assert len(checked) == 5
 
-    # README: "No rank holds the whole model at start-up". The fsdp build of a 51M-parameter GPT (194.5 MiB fp32)
+    # docs: "No rank holds the whole model at start-up". The fsdp build of a 51M-parameter GPT (194.5 MiB fp32)
     # on 2 ranks, each rank's peak RSS growth: measured 105.8 MiB = its half (97.3 MiB) + 8.5 MiB (each parameter
     # is drawn in full, one at a time: the largest is 4 MiB). Bound: half + the largest parameter + 10% of the model
     # (120.8 MiB). Materialising the model on the CPU before sharding (no meta device) measured 206 MiB.

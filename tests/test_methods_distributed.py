@@ -16,9 +16,14 @@ import subprocess
 
 import pytest
 
-from conftest import model_recipes, step_losses, subprocess_env
+from conftest import model_recipes
+from conftest import step_losses
+from conftest import subprocess_env
 from resume_check import assert_resumed
-from test_distributed import REPO, command, run, where
+from test_distributed import REPO
+from test_distributed import command
+from test_distributed import run
+from test_distributed import where
 
 pytestmark = pytest.mark.slow
 

@@ -6,11 +6,13 @@ import math
 import pytest
 import torch
 
-from pipeline.config import OuroConfig
+from pipeline.eval.exit_losses import exit_curve
 from pipeline.model import build_model
+from pipeline.model.configs import OuroConfig
 from pipeline.model.layers import KVCache
 from pipeline.model.ouro import Ouro
-from pipeline.model.registry import count_params, model_info
+from pipeline.model.registry import count_params
+from pipeline.model.registry import model_info
 
 BETA = 0.3  # not the default 0.1: a wrong coefficient cannot pass by coincidence
 
@@ -188,10 +190,11 @@ def test_exit_states_equal_forward_at_each_depth():
     for e, states in got.items():
         torch.testing.assert_close(states, ref[e], rtol=1e-10, atol=1e-10)  # e = 0: LN(embeddings)
         torch.testing.assert_close(m.lm_head(states), m(idx, n_steps=e)[0], rtol=1e-12, atol=1e-12)
-    curve = m.exit_losses(idx, batch()[1])
+    tgt = batch(n_ignored=0)[1]  # eval's validation tokens all count: no ignored targets
+    curve = exit_curve(m, [(idx, tgt)], [1, 2, 3], 3, torch.device("cpu"))  # eval's one pass, its fp32 head
     assert curve["exit"] == [1, 2, 3]
-    for e, loss in zip(curve["exit"], curve["loss"]):
-        assert loss == pytest.approx(m(idx, batch()[1], n_steps=e)[1].item(), rel=1e-12)
+    for e, loss in zip(curve["exit"], curve["loss"]):  # fp32 head vs fp64 forward: measured max rel gap 1.3e-8, x10 up
+        assert loss == pytest.approx(m(idx, tgt, n_steps=e)[1].item(), rel=1e-6)
 
 
 @pytest.mark.parametrize("depth", [None, 2])

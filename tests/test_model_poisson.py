@@ -3,10 +3,12 @@ import math
 
 import pytest
 import torch
-from scipy import integrate, stats
+from scipy import integrate
+from scipy import stats
 
-from pipeline.config import PoissonConfig
+from pipeline.eval.exit_losses import exit_curve
 from pipeline.model import build_model
+from pipeline.model.configs import PoissonConfig
 from pipeline.model.layers import KVCache
 from pipeline.model.poisson import PoissonDepth
 from pipeline.model.registry import count_params
@@ -248,7 +250,7 @@ def test_expected_grad_steps_and_notes():
     assert f"{3 * f(cfg, 0) + step * (11 + 2 * exact):,.0f}" in notes[2]
 
 
-def test_exit_states_and_exit_losses_equal_separate_forwards():
+def test_exit_states_and_exit_curve_equal_separate_forwards():
     m = small().eval()
     idx, tgt = batch(m)
     with torch.no_grad():
@@ -256,11 +258,10 @@ def test_exit_states_and_exit_losses_equal_separate_forwards():
         assert sorted(states) == [0, 1, 2, 5]
         for e, s in states.items():
             torch.testing.assert_close(m.lm_head(s), m(idx, n_steps=e)[0], rtol=1e-10, atol=1e-10)
-        curve = m.exit_losses(idx, tgt, n_steps=4)
-        assert curve["exit"] == [1, 2, 3, 4]
-        for e, loss in zip(curve["exit"], curve["loss"]):
-            assert loss == pytest.approx(m(idx, tgt, n_steps=e)[1].item(), rel=1e-10)
-        assert curve["loss_r0"] == pytest.approx(m(idx, tgt, n_steps=0)[1].item(), rel=1e-10)
+        curve = exit_curve(m, [(idx, tgt)], [0, 1, 2, 3, 4], 4, torch.device("cpu"))  # eval's pass, fp32 head
+        assert curve["exit"] == [0, 1, 2, 3, 4]
+        for e, loss in zip(curve["exit"], curve["loss"]):  # fp32 head vs fp64: measured max rel gap 1.9e-8, x10 up
+            assert loss == pytest.approx(m(idx, tgt, n_steps=e)[1].item(), rel=1e-6)
 
 
 @pytest.mark.parametrize("n", [3, 1])

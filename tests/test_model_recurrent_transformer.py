@@ -9,9 +9,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pipeline.config import RecurrentTransformerConfig
+from pipeline.model.configs import RecurrentTransformerConfig
 from pipeline.model.kv_cache import KVCache
-from pipeline.model.registry import build_model, count_params
+from pipeline.model.registry import build_model
+from pipeline.model.registry import count_params
 
 SMALL = dict(vocab_size=61, block_size=32, d_model=16, n_head=2, n_layer=2)
 
@@ -107,7 +108,7 @@ def test_decode_with_a_cache_equals_one_full_pass(prefill):
 
 
 def test_parameters_equal_gpt2_with_the_same_layers():
-    from pipeline.config import GPTConfig
+    from pipeline.model.configs import GPTConfig
 
     rt = count_params(build_model(RecurrentTransformerConfig(**SMALL), device="meta"))
     gpt = count_params(build_model(GPTConfig(**SMALL), device="meta"))
@@ -128,7 +129,8 @@ def test_left_padded_batched_generation_equals_each_prompt_alone():
 def test_compile_compiles_the_mlp_once_and_keeps_the_position_loop_eager():
     """train.compile on a self-KV block compiles its MLP (one graph for every layer and sequence length: each
     position runs it on [B, 1, C]) and runs the loop over positions eagerly; losses equal the uncompiled model's."""
-    from pipeline.train.parallelize import apply_compile, compile_targets
+    from pipeline.train.parallelize import apply_compile
+    from pipeline.train.parallelize import compile_targets
 
     m, ref = make(), make()
     graphs = []
@@ -147,7 +149,7 @@ def test_compile_compiles_the_mlp_once_and_keeps_the_position_loop_eager():
 def test_flops_count_the_memory_key_value_projection():
     """Per layer GPT-2's 24d^2 + 4Sd plus the memory keys/values of the layer's output (2 x 2d^2), plus the head's
     2dV, by hand at 3 layers, d 16, S 8, V 50; an exit after layer 2 counts 2 layers."""
-    from pipeline.config import RecurrentTransformerConfig
+    from pipeline.model.configs import RecurrentTransformerConfig
     from pipeline.model.recurrent_transformer import RecurrentTransformer
 
     cfg = RecurrentTransformerConfig(vocab_size=50, block_size=8, d_model=16, n_head=2, n_layer=3)

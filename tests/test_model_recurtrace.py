@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pipeline.config import RecurTraceConfig
+from pipeline.model.configs import RecurTraceConfig
 from pipeline.model.kv_cache import KVCache
 from pipeline.model.recurtrace import oracle_targets
 from pipeline.model.registry import build_model
@@ -213,11 +213,10 @@ def test_generate_with_halting_equals_uncached_greedy_decoding():
 def test_lm_eval_loglikelihood_equals_the_forward_log_probs_at_n_steps():
     """The lm-eval adapter scores RecurTrace at ``n_steps`` loops (default R) for every token: its log-likelihoods
     against log_softmax of the model's own forward at that depth, by hand."""
-    from pipeline.config import from_dict
-    from pipeline.eval.harness import GRTLM
-    from pipeline.tokenize.bpe import gpt2_encoding
-
     from conftest import tiny_recipe
+    from pipeline.config import from_dict
+    from pipeline.eval.lm_eval.harness import GRTLM
+    from pipeline.tokenize.bpe import gpt2_encoding
 
     enc = gpt2_encoding()
     cfg = from_dict(tiny_recipe(Path("/tmp"), Path("/tmp"), {**SMALL, "type": "recurtrace", "vocab_size": 50257}))
@@ -244,7 +243,9 @@ def test_lm_eval_loglikelihood_equals_the_forward_log_probs_at_n_steps():
 def test_eval_report_loss_mean_loops_and_flops_per_threshold(capsys):
     """`grt eval`'s halting report over two batches (the second with ignored targets) against token-weighted sums
     by hand; at thresholds 0 and 1 the closed forms (every loop / one loop); the console line and MLflow names."""
-    from pipeline.eval.methods import method_metrics, print_method_report, recurtrace_report
+    from pipeline.eval.analyses.methods import method_metrics
+    from pipeline.eval.analyses.methods import print_method_report
+    from pipeline.eval.analyses.methods import recurtrace_report
     from pipeline.model.recurtrace import RecurTrace
 
     m = make(halt_threshold=0.78).eval()

@@ -5,10 +5,14 @@ import math
 import pytest
 import torch
 
-from pipeline.config import GRTConfig, RRTConfig
+from pipeline.eval.exit_losses import exit_curve
 from pipeline.model import build_model
+from pipeline.model.configs import GRTConfig
+from pipeline.model.configs import RRTConfig
 from pipeline.model.layers import KVCache
-from pipeline.model.registry import count_params, model_class, model_info
+from pipeline.model.registry import count_params
+from pipeline.model.registry import model_class
+from pipeline.model.registry import model_info
 from pipeline.model.rrt import RRT
 from pipeline.train.parallelize import apply_activation_checkpointing
 
@@ -225,10 +229,10 @@ def test_exit_states_equal_forward_at_each_depth():
     assert sorted(states) == [0, 1, 2, 3]
     for e, s in states.items():
         torch.testing.assert_close(m.lm_head(s), m(idx, n_steps=e)[0], rtol=1e-12, atol=1e-12)
-    curve = m.exit_losses(idx, tgt)
-    assert curve["exit"] == [1, 2, 3]
-    for e, loss in zip([0, 1, 2, 3], [curve["loss_r0"], *curve["loss"]]):
-        assert loss == pytest.approx(m(idx, tgt, n_steps=e)[1].item(), rel=1e-10)
+    curve = exit_curve(m, [(idx, tgt)], [0, 1, 2, 3], 3, torch.device("cpu"))  # eval's one pass, its fp32 head
+    assert curve["exit"] == [0, 1, 2, 3]
+    for e, loss in zip(curve["exit"], curve["loss"]):  # fp32 head vs fp64 forward: measured max rel gap 1.9e-8, x10 up
+        assert loss == pytest.approx(m(idx, tgt, n_steps=e)[1].item(), rel=1e-6)
 
 
 @pytest.mark.parametrize("depth", [0, 2, 3])

@@ -3,7 +3,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ops import gated_update, linear_cross_entropy
+from ops import gated_update
+from ops import linear_cross_entropy
 
 
 def reference(h, w, t):

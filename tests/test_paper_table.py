@@ -1,5 +1,5 @@
 """`grt paper-table`: the paper's numbers beside runs of a fake MLflow store, deltas checked against hand arithmetic;
-missing runs say "no run"; the numbers in pipeline/paper/results.yaml against the paper's own arithmetic."""
+missing runs say "no run"; the numbers in pipeline/studies/paper_results.yaml against the paper's own arithmetic."""
 import re
 from pathlib import Path
 
@@ -8,7 +8,10 @@ import yaml
 
 from pipeline.cli import main
 from pipeline.config import load_recipe
-from pipeline.paper.table import TABLES, format_tables, load_results, paper_table
+from pipeline.studies.paper_table import TABLES
+from pipeline.studies.paper_table import format_tables
+from pipeline.studies.paper_table import load_results
+from pipeline.studies.paper_table import paper_table
 
 REPO = Path(__file__).resolve().parents[1]
 EXP = "paper-test"

@@ -5,14 +5,14 @@ from collections import Counter
 import pytest
 import torch
 
-from pipeline.config import GPTConfig, GRTConfig
-from pipeline.model import build_model
-from pipeline.tokenize import tokenize
-from pipeline.train.data import SequenceLoader, TokenShards
-from pipeline.train.parallelize import apply_activation_checkpointing
-
 from conftest import tiny_recipe
-
+from pipeline.model import build_model
+from pipeline.model.configs import GPTConfig
+from pipeline.model.configs import GRTConfig
+from pipeline.tokenize import tokenize
+from pipeline.train.data import SequenceLoader
+from pipeline.train.data import TokenShards
+from pipeline.train.parallelize import apply_activation_checkpointing
 
 R = 3
 
@@ -60,7 +60,7 @@ def test_checkpointing_gives_identical_gradients_with_noise_on(mode):
     keeps exactly one state per step (R B T d floats: the step's input h, h_pre at r = 1) beside what the model
     keeps at depth 0 (embeddings, prelude, coda, head). blocks: every block runs twice, the gate (not
     checkpointed) once per step, and each of the 1 + 2R + 1 block executions drops at least its 14 B T d floats
-    of internals (LN outputs, q k v, attention output, MLP 4d + 4d: launch/memory.py's count)."""
+    of internals (LN outputs, q k v, attention output, MLP 4d + 4d: launch/memory_rows.py's count)."""
     torch.manual_seed(0)
     base = build_model(GRTConfig(vocab_size=200, block_size=16, d_model=32, n_head=4, n_prelude=1, n_core=2,
                                  n_coda=1, n_recurrence=R, dropout=0.1)).train()
@@ -92,15 +92,15 @@ def test_checkpointing_gives_identical_gradients_with_noise_on(mode):
 
 
 def test_core_step_keeps_30_percent_of_the_activations_at_r10():
-    """README: "`bench/train.py`: at R = 10, `core_step` keeps 30% of the activations": arm (b) at the bench's CPU
+    """docs: "`bench/train.py`: at R = 10, `core_step` keeps 30% of the activations": arm (b) at the bench's CPU
     shape (d 128, 4 heads, T 128, B 8, the GPT-2 vocabulary; 1+1x10+1 at depth 10), counted as the bench counts
     (saved_activation_mb: the unique storages autograd saves in one forward, parameters included). Each arm, less
-    its parameters, equals launch/memory.py's hand count exactly, up to one term each that the two counts treat
-    differently: without checkpointing the gate op also saves its int64 seed per step (8 bytes; memory.py leaves it
+    its parameters, equals launch/memory_rows.py's hand count exactly, up to one term each that the two counts treat
+    differently: without checkpointing the gate op also saves its int64 seed per step (8 bytes; memory_rows.py leaves it
     out); with core_step (one fp32 state per step, the outer blocks, the head) the two anchor terms are held by the
-    checkpoint as arguments of the recomputation, outside autograd's saved tensors (memory.py counts them, the
+    checkpoint as arguments of the recomputation, outside autograd's saved tensors (memory_rows.py counts them, the
     bench cannot see them)."""
-    from launch import memory
+    from launch import memory_rows
 
     d, heads, T, B, V = 128, 4, 128, 8, 50257  # bench/train.py main(): the CPU shapes
     cfg = GRTConfig(vocab_size=V, block_size=T, d_model=d, n_head=heads, n_prelude=1, n_core=1, n_coda=1,
@@ -114,8 +114,8 @@ def test_core_step_keeps_30_percent_of_the_activations_at_r10():
         p.untyped_storage().data_ptr() for p in ckpt.parameters()}
     (none, none_params), (core, core_params) = (saved_storages(m, idx, targets, 10, params) for m in (model, ckpt))
     BTd = 4 * B * T * d
-    assert none - none_params == memory.activation_bytes(cfg, B, "none").saved + 10 * 8
-    assert core - core_params == memory.activation_bytes(cfg, B, "core_step").saved - 2 * BTd
+    assert none - none_params == memory_rows.activation_bytes(cfg, B, "none").saved + 10 * 8
+    assert core - core_params == memory_rows.activation_bytes(cfg, B, "core_step").saved - 2 * BTd
     assert round(core / none, 2) == 0.30, core / none  # measured 0.3006 (torch 2.13, CPU)
 
 

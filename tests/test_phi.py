@@ -1,11 +1,14 @@
-"""The phi fit (pipeline/eval/phi.py) on synthetic losses drawn from the law with known parameters: it recovers phi
+"""The phi fit (pipeline/studies/phi.py) on synthetic losses drawn from the law with known parameters: it recovers phi
 inside its bootstrap interval, and the limits phi = 0 and phi = 1."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from pipeline.eval.phi import Run, fit_phi, initial_grid, predict
+from pipeline.studies.phi import Run
+from pipeline.studies.phi import fit_phi
+from pipeline.studies.phi import initial_grid
+from pipeline.studies.phi import predict
 
 TRUE = {"E": 1.8, "A": 400.0, "alpha": 0.34, "B": 410.0, "beta": 0.28}
 
@@ -51,8 +54,9 @@ def test_parameter_split_counts_the_looped_step_as_n_rec():
     """GRT 1+2x4+1 at d 64 by hand: a block 12d^2 + 13d; the step = 2 blocks + W_proj (2d^2 + d) + the gate (two
     LayerNorms 4d, f_g's 2d->d and d->d with biases); once = prelude + coda blocks + the final LN (2d); embeddings
     out by default (token 50,257 x d, positions 128 x d), in with with_embeddings. A dense model: all once."""
-    from pipeline.config import GPTConfig, GRTConfig
-    from pipeline.eval.phi import parameter_split
+    from pipeline.model.configs import GPTConfig
+    from pipeline.model.configs import GRTConfig
+    from pipeline.studies.phi import parameter_split
 
     d = 64
     block = 12 * d * d + 13 * d
@@ -71,8 +75,10 @@ def test_runs_without_a_fixed_recurrence_count_are_refused(tmp_path):
     back with r = R and the parameter split."""
     import yaml
 
-    from pipeline.config import RRTConfig, from_dict
-    from pipeline.eval.phi import parameter_split, runs_from_results
+    from pipeline.config import from_dict
+    from pipeline.model.configs import RRTConfig
+    from pipeline.studies.phi import parameter_split
+    from pipeline.studies.phi import runs_from_results
 
     with pytest.raises(ValueError, match="model.type=rrt: phi is fitted over looped GRT runs and dense"):
         parameter_split(RRTConfig(vocab_size=64, block_size=16, d_model=16, n_head=2))

@@ -5,15 +5,16 @@ import shutil
 import pytest
 import torch
 
-from pipeline.config import from_dict
-from pipeline.eval.compare import compare
-from pipeline.eval.stage import evaluate
-from pipeline.tokenize import tokenize
-from pipeline.train.data import SequenceLoader, TokenShards
-from pipeline.train.optim import lr_at, param_groups
-from pipeline.train.trainer import Trainer
-
 from conftest import tiny_recipe
+from pipeline.config import from_dict
+from pipeline.eval.stage import evaluate
+from pipeline.studies.compare import compare
+from pipeline.tokenize import tokenize
+from pipeline.train.data import SequenceLoader
+from pipeline.train.data import TokenShards
+from pipeline.train.optim import lr_at
+from pipeline.train.optim import param_groups
+from pipeline.train.trainer import Trainer
 
 
 def losses(run_dir):
@@ -127,8 +128,9 @@ def test_loader_state_refuses_another_dataset_shape(tmp_path, corpus):
 
 
 def test_lr_schedule_by_hand():
-    from pipeline.config import TrainConfig
     import math
+
+    from pipeline.config import TrainConfig
 
     c = TrainConfig(lr=6e-4, min_lr=6e-5, warmup_steps=2000, max_steps=20000)
     assert lr_at(0, c) == pytest.approx(6e-4 / 2001)

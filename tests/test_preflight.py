@@ -1,5 +1,5 @@
 """The preflight (launch/preflight.py): every deliberately wrong plan is named with its fix, a good tiny plan passes,
-and the activation estimate (launch/memory.py) agrees with memory measured on the real model.
+and the activation estimate (launch/memory_rows.py) agrees with memory measured on the real model.
 
 Measurement (CPU, fp32, train mode with noise, every registered model type): the storages of every tensor autograd
 saves for backward (``torch.autograd.graph.saved_tensors_hooks``; unique storages, so views count once; parameters
@@ -24,14 +24,22 @@ import pytest
 import torch
 import torch.utils._pytree as pytree
 
-from launch import memory
-from launch.preflight import run_preflight
-from pipeline.config import (GPTConfig, GRTConfig, MoRConfig, OuroConfig, PoissonConfig, RecurrentTransformerConfig,
-                             RecurTraceConfig, RRTConfig, from_dict, load_recipe)
-from pipeline.model import build_model
-from pipeline.train import parallelize as par
-
 from conftest import tiny_recipe
+from launch import memory
+from launch import memory_rows
+from launch.preflight import run_preflight
+from pipeline.config import from_dict
+from pipeline.config import load_recipe
+from pipeline.model import build_model
+from pipeline.model.configs import GPTConfig
+from pipeline.model.configs import GRTConfig
+from pipeline.model.configs import MoRConfig
+from pipeline.model.configs import OuroConfig
+from pipeline.model.configs import PoissonConfig
+from pipeline.model.configs import RecurrentTransformerConfig
+from pipeline.model.configs import RecurTraceConfig
+from pipeline.model.configs import RRTConfig
+from pipeline.train import parallelize as par
 
 REPO_RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 
@@ -181,11 +189,11 @@ def _measured_depth(cfg) -> int | None:
 
 @pytest.mark.parametrize("name,mode", CASES)
 def test_activation_estimate_matches_measured(name, mode):
-    """Saved bytes and peak (saved + one recomputed region) of launch/memory.py vs measured, fp32 on CPU: each row
+    """Saved bytes and peak (saved + one recomputed region) of launch/memory_rows.py vs measured, fp32 on CPU: each row
     within 0.1 percentage point (CPU_ONLY added to the estimate)."""
     cfg, B = _case(name)
     saved, region = measure_activations(cfg, B, mode, n_steps=_measured_depth(cfg))
-    est = memory.activation_bytes(cfg, B, mode, a=4, s=4)
+    est = memory_rows.activation_bytes(cfg, B, mode, a=4, s=4)
     est.saved += CPU_ONLY.get(cfg.type, lambda *_: 0)(cfg, B)
     print(f"{name:32s} {mode:9s} saved measured {saved:>10,} est {est.saved:>12,.0f} ({est.saved / saved - 1:+.1%})"
           f"  peak measured {saved + region:>10,} est {est.peak:>12,.0f} ({est.peak / (saved + region) - 1:+.1%})")
@@ -203,7 +211,7 @@ def test_poisson_saves_only_its_grad_steps(mode):
     at_k, deeper, shallower = (measure_activations(cfg, B, mode, n_steps=p) for p in (k, k + 3, k - 1))
     assert deeper == at_k
     assert shallower[0] < at_k[0]
-    assert memory.activation_depth(cfg)[0] == k
+    assert memory_rows.activation_depth(cfg)[0] == k
 
 
 def test_model_state_single_matches_measured(tiny):
@@ -220,7 +228,7 @@ def test_model_state_single_matches_measured(tiny):
     uniq = {id(p): p for p in model.parameters()}.values()
     measured = {"parameters": sum(p.nbytes for p in uniq), "gradients": sum(p.grad.nbytes for p in uniq),
                 "optimizer": sum(t.nbytes for st in opt.state.values() for k, t in st.items() if k != "step")}
-    est = memory.model_state_bytes(memory.count_params(cfg.model), "single", 0, 1, bf16=False)
+    est = memory.model_state_bytes(memory.param_counts(cfg.model), "single", 0, 1, bf16=False)
     assert {k: est[k] for k in measured} == measured
     assert est["extra"] == 0
 
@@ -247,10 +255,10 @@ def _block_params(d: int) -> int:
 
 
 def test_param_roles_every_type():
-    """count_params' FSDP roles (root, own block, recurrence step) for every registered type, against the layouts
+    """param_counts' FSDP roles (root, own block, recurrence step) for every registered type, against the layouts
     written out by hand: root = wte (tied head) + wpe + final LN (Ouro: its exit gate, the loop norm being in the
     step); the step = the looped blocks + each method's per-step parameters."""
-    from pipeline.model.registry import MODEL_CONFIGS
+    from pipeline.model.configs import MODEL_CONFIGS
 
     V, S, d, H = 96, 24, 32, 2
     blk, emb, ln = _block_params(d), V * d + S * d, 2 * d
@@ -275,7 +283,7 @@ def test_param_roles_every_type():
     }
     assert set(want) == set(MODEL_CONFIGS), "a registered type has no case here"
     for name, (cfg, root, block, step, total) in want.items():
-        pc = memory.count_params(cfg)
+        pc = memory.param_counts(cfg)
         assert (pc.embed, pc.block, pc.step, pc.total) == (root, block, step, total), name
 
 
@@ -288,8 +296,8 @@ def test_alternatives_offer_core_step_for_every_recurrent_type(name):
     import dataclasses
 
     cfg, B = _case(name)
-    pc = memory.count_params(cfg)
-    plan = memory.Plan("single", 0, "none", B, 1, 1, False)
+    pc = memory.param_counts(cfg)
+    plan = memory.MemoryPlan("single", 0, "none", B, 1, 1, False)
     dense = cfg.type in ("gpt", "recurrent_transformer")
     fix = "blocks" if dense else "core_step"
     target = memory.estimate(cfg, pc, dataclasses.replace(plan, checkpointing=fix)).total
@@ -327,7 +335,7 @@ def test_activation_estimate_matches_cuda(model_type, mode):
     torch.manual_seed(0)
     model = build_model(cfg).cuda().train()
     par.apply_activation_checkpointing(model, mode)
-    pc = memory.count_params(cfg)
+    pc = memory.param_counts(cfg)
     idx = torch.randint(0, cfg.vocab_size, (B, cfg.block_size), device="cuda")
     torch.cuda.synchronize()
     m0 = torch.cuda.memory_allocated()
@@ -338,7 +346,7 @@ def test_activation_estimate_matches_cuda(model_type, mode):
     loss.backward()
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() - m0 - 2 * pc.matmul - 4 * pc.total  # minus the fp32 gradients
-    est = memory.activation_bytes(cfg, B, mode, a=2, s=4)
+    est = memory_rows.activation_bytes(cfg, B, mode, a=2, s=4)
     print(f"cuda {model_type} {mode}: retained {retained / 2**20:.0f} MiB est {est.saved / 2**20:.0f}; "
           f"peak {peak / 2**20:.0f} MiB est {est.total / 2**20:.0f}")
     assert est.saved == pytest.approx(retained, rel=0.2)
@@ -395,7 +403,8 @@ def test_no_gpu_memory_is_said_not_a_problem(dataset):
 
 
 def test_indivisible_batch(dataset):
-    rep = run_preflight(_cfg(dataset, train={"grad_accum_steps": 4, "backend": "ddp"}), nodes=1, gpus_per_node=3, gpu_mem_gb=8)
+    rep = run_preflight(_cfg(dataset, train={"grad_accum_steps": 4, "backend": "ddp"}), nodes=1, gpus_per_node=3,
+                        gpu_mem_gb=8)
     msg = _one(rep, "batch:")
     assert "grad_accum_steps=4" in msg and "grad_accum_steps=3" in msg and "grad_accum_steps=6" in msg
 

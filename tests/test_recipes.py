@@ -4,7 +4,10 @@ from pathlib import Path
 import pytest
 
 from pipeline.cli import main
-from pipeline.config import GPTConfig, GRTConfig, RecipeError, load_recipe
+from pipeline.config import RecipeError
+from pipeline.config import load_recipe
+from pipeline.model.configs import GPTConfig
+from pipeline.model.configs import GRTConfig
 
 REPO = Path(__file__).resolve().parents[1]
 QUICK = str(REPO / "recipes" / "quickstart-grt.yaml")
@@ -80,7 +83,11 @@ def _numeric_keys():
     import dataclasses
     import typing
 
-    from pipeline.config import DataConfig, EvalConfig, RunConfig, TrackingConfig, TrainConfig
+    from pipeline.config import DataConfig
+    from pipeline.config import EvalConfig
+    from pipeline.config import RunConfig
+    from pipeline.config import TrackingConfig
+    from pipeline.config import TrainConfig
 
     sections = {"": RunConfig, "model": GRTConfig, "data": DataConfig, "train": TrainConfig, "eval": EvalConfig,
                 "tracking": TrackingConfig}

@@ -24,9 +24,17 @@ import torch
 import torch.nn.functional as F
 import yaml
 
-from conftest import model_recipes, step_losses, step_values, subprocess_env
-from test_distributed import REPO, assert_resumed, command, run
-from test_eval import ENC, direct_loglikelihood, make_task_data
+from conftest import model_recipes
+from conftest import step_losses
+from conftest import step_values
+from conftest import subprocess_env
+from test_distributed import REPO
+from test_distributed import assert_resumed
+from test_distributed import command
+from test_distributed import run
+from test_eval import ENC
+from test_eval import direct_loglikelihood
+from test_eval import make_task_data
 
 pytestmark = pytest.mark.slow
 
@@ -140,10 +148,10 @@ def test_lm_eval_loglikelihoods_and_cached_decoding_of_the_trained_model(recipes
     import lm_eval
     from lm_eval.tasks import TaskManager
 
-    from pipeline.eval.downstream import TASKS_DIR
-    from pipeline.eval.harness import GRTLM
-    from pipeline.eval.stage import load_trained
+    from pipeline.eval.lm_eval.downstream import TASKS_DIR
+    from pipeline.eval.lm_eval.harness import GRTLM
     from pipeline.infer.generate import generate
+    from pipeline.train.trained import load_trained
 
     tmp, _ = recipes
     trained(model, "single")

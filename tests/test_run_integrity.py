@@ -14,13 +14,16 @@ from pathlib import Path
 import pytest
 import yaml
 
+from conftest import step_losses
+from conftest import subprocess_env
+from conftest import tiny_recipe
 from pipeline.cli import main as grt
 from pipeline.config import from_dict
 from pipeline.tokenize import tokenize
-from pipeline.train.checkpoint import DamagedCheckpointError, resolve_checkpoint
-from pipeline.train.trainer import SIGINT_REPEAT_S, Trainer
-
-from conftest import step_losses, subprocess_env, tiny_recipe
+from pipeline.train.checkpoint import DamagedCheckpointError
+from pipeline.train.checkpoint import resolve_checkpoint
+from pipeline.train.trainer import SIGINT_REPEAT_S
+from pipeline.train.trainer import Trainer
 from resume_check import assert_resumed
 
 REPO = Path(__file__).resolve().parents[1]
@@ -166,7 +169,7 @@ def test_a_second_training_on_the_same_run_folder_exits_at_once_naming_the_first
 
 def test_a_lock_left_by_a_dead_job_is_taken_over_with_a_message(recipe, tmp_path):
     run_dir = from_dict(recipe).run_dir
-    code = ("import os, sys; from pipeline.locking import FolderLock; "
+    code = ("import os, sys; from pipeline.runtime.locking import FolderLock; "
             f"FolderLock({str(run_dir)!r}, 'run folder').acquire(); os._exit(9)")
     dead = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=subprocess_env())
     assert dead.returncode == 9 and (run_dir / ".lock").stat().st_size > 0
@@ -261,7 +264,7 @@ def test_a_validation_failure_still_saves_the_finished_steps(recipe, monkeypatch
     monkeypatch.setattr(t, "validate", failing_validate)
     with pytest.raises(ValueError, match="went away"):
         t.fit()
-    assert (t.ckpt_dir / "step_00000003").is_dir()  # step 3's validation failed: steps 1-3 are kept
+    assert (t.checkpointer.dir / "step_00000003").is_dir()  # step 3's validation failed: steps 1-3 are kept
 
 
 def test_a_failed_start_leaves_no_run_folder(recipe, tmp_path):

@@ -8,7 +8,9 @@ import math
 import pytest
 import torch
 
-from pipeline.model.self_kv_attention import Traffic, attend_reference, attend_tiled
+from pipeline.model.self_kv_attention import Traffic
+from pipeline.model.self_kv_attention import attend_reference
+from pipeline.model.self_kv_attention import attend_tiled
 
 
 def layer(x, w):

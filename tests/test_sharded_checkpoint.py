@@ -21,7 +21,11 @@ import pytest
 import torch
 import yaml
 
-from conftest import free_port, launched_recipe, printed_steps, step_losses, subprocess_env
+from conftest import free_port
+from conftest import launched_recipe
+from conftest import printed_steps
+from conftest import step_losses
+from conftest import subprocess_env
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS, CKPT_EVERY, KILL_AFTER = 12, 4, 6  # killed once step 6 is logged: 2 steps past the checkpoint at 4
@@ -91,8 +95,8 @@ def test_fsdp_writes_shards_and_resumes_exactly_after_kills(setup, uninterrupted
 
     # SIGKILL on every rank while the checkpoint of step 8 is being written (shards on disk, not published)
     in_save = tmp / "runs" / "killed-in-save"
-    p = launch(recipe, "killed-in-save", 2, "train.backend=fsdp", port=free_port(), fault={"GRT_FAULT_KILL_IN_SAVE": "8"},
-               check=False)
+    p = launch(recipe, "killed-in-save", 2, "train.backend=fsdp", port=free_port(),
+               fault={"GRT_FAULT_KILL_IN_SAVE": "8"}, check=False)
     assert p.returncode != 0
     assert sorted(q.name for q in (in_save / "checkpoints").iterdir()) == [".tmp_step_00000008", "step_00000004"]
     assert_resumed(launch(recipe, "killed-in-save", 2, "train.backend=fsdp", port=free_port()), "fsdp x2")
@@ -104,8 +108,8 @@ def test_fsdp_writes_shards_and_resumes_exactly_after_kills(setup, uninterrupted
 def test_sharded_checkpoints_reshard_across_world_sizes_and_backends(setup, uninterrupted):
     tmp, recipe = setup
     runs = tmp / "runs"
-    launch(recipe, "killed-2", 2, "train.backend=fsdp", port=free_port(), fault={"GRT_FAULT_KILL_AT_STEP": str(KILL_AFTER)},
-           check=False)
+    launch(recipe, "killed-2", 2, "train.backend=fsdp", port=free_port(),
+           fault={"GRT_FAULT_KILL_AT_STEP": str(KILL_AFTER)}, check=False)
     launch(recipe, "killed-1", 0, "train.backend=single", "train.checkpoint_format=sharded", port=0,
            fault={"GRT_FAULT_KILL_AT_STEP": str(KILL_AFTER)}, check=False)
     plans = {  # name: (source run, processes, overrides of the resumed run)
@@ -177,7 +181,8 @@ def test_rank0_memory_during_a_save_full_vs_sharded(setup):
             params = params or torch.load(tmp / "runs" / name / "checkpoints" / "step_00000001" / "state.pt",
                                           weights_only=False)["info"]["params"]
     state_mb = 12 * params / 2**20
-    print(json.dumps({"train_state_mb": round(state_mb, 1), **{f"{f}@{w}": round(v, 1) for (f, w), v in peaks.items()}}))
+    print(json.dumps({"train_state_mb": round(state_mb, 1),
+                      **{f"{f}@{w}": round(v, 1) for (f, w), v in peaks.items()}}))
     for ws in (2, 3):
         assert peaks[("full", ws)] > 0.8 * state_mb  # the whole state passes through rank 0
         assert peaks[("sharded", ws)] < 1.2 * state_mb / ws  # never more than its own share (+ slack)

@@ -18,11 +18,16 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from conftest import free_port
+from conftest import launched_recipe
+from conftest import step_losses
+from conftest import step_values
+from conftest import subprocess_env
 from pipeline.config import TrainConfig
-from pipeline.model import build_model, model_class
-from pipeline.train.parallelize import blocks_of, parallelize
-
-from conftest import free_port, launched_recipe, step_losses, step_values, subprocess_env
+from pipeline.model import build_model
+from pipeline.model.configs import MODEL_CONFIGS
+from pipeline.train.parallelize import blocks_of
+from pipeline.train.parallelize import parallelize
 
 REPO = Path(__file__).resolve().parents[1]
 WORKER = REPO / "tests" / "state_precision_worker.py"
@@ -52,7 +57,7 @@ def bf16_step(model_type: str, how: str) -> tuple[float, dict[str, set[torch.dty
     ``fp32`` (single / DDP), ``fsdp`` (FSDP2, bf16 param_dtype), ``bf16`` (cast like DeepSpeed's bf16 engine does).
     Returns the loss and the dtypes seen: the last block's output (``stream``) and, with a recurrence step, the
     state it takes and returns (``h_in``, ``h_out``; GRT's h, Poisson's state, ...)."""
-    cfg = model_class(model_type).config_class(type=model_type, **TINY, **MODELS[model_type])
+    cfg = MODEL_CONFIGS[model_type](type=model_type, **TINY, **MODELS[model_type])
     model = build_model(cfg, seed=7)
     if how == "bf16":
         for p in model.parameters():  # what DeepSpeed's bf16 engine does to the module: parameters only

@@ -6,11 +6,13 @@ from pathlib import Path
 import pytest
 import yaml
 
+from conftest import tiny_recipe
 from pipeline.cli import main
 from pipeline.config import load_recipe
-from pipeline.sweep import run_sweep, sweep_command, sweep_recipes, tag_override
-
-from conftest import tiny_recipe
+from pipeline.studies.sweep import run_sweep
+from pipeline.studies.sweep import sweep_command
+from pipeline.studies.sweep import sweep_recipes
+from pipeline.studies.sweep import tag_override
 
 REPO = Path(__file__).resolve().parents[1]
 TOY = REPO / "recipes" / "sweeps" / "toy-tau"
@@ -119,7 +121,7 @@ def test_real_sweep_tags_its_runs_so_compare_finds_them(tmp_path, corpus, capsys
     assert "tiny-one" in capsys.readouterr().out
     # the run folder is held to the same tag (its recipe.yaml's tracking.tags, as MLflow holds its run)
     from pipeline.config import TrackingConfig
-    from pipeline.eval.compare import collect
+    from pipeline.eval.results import collect
     run_dir = str(tmp_path / "runs" / "tiny-one")
     assert [r["name"] for r in collect([run_dir], TrackingConfig(), tags={"sweep": "tiny-sweep"})] == ["tiny-one"]
     assert main(["compare", run_dir, "--tag", "sweep=other"]) == 1

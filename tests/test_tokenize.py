@@ -5,13 +5,14 @@ import json
 import numpy as np
 import pytest
 
-from pipeline.config import DataConfig, SourceConfig
+from conftest import SHARED_DATA
+from pipeline.config import DataConfig
+from pipeline.config import SourceConfig
 from pipeline.tokenize import tokenize
-from pipeline.tokenize.bpe import gpt2_encoding, tokenizer_identity
+from pipeline.tokenize.bpe import gpt2_encoding
+from pipeline.tokenize.bpe import tokenizer_identity
 from pipeline.tokenize.stage import is_validation
 from pipeline.tokenize.worker import content_hash
-
-from conftest import SHARED_DATA
 
 TEXTS = [
     "Hello world",

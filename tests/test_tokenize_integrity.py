@@ -20,15 +20,16 @@ import pytest
 import yaml
 import zstandard
 
+from conftest import subprocess_env
 from pipeline.cli import main
-from pipeline.config import DataConfig, RecipeError, SourceConfig
-from pipeline.locking import FolderLock
+from pipeline.config import DataConfig
+from pipeline.config import RecipeError
+from pipeline.config import SourceConfig
+from pipeline.runtime.locking import FolderLock
 from pipeline.tokenize import tokenize
 from pipeline.tokenize.sources import DamagedInputError
 from pipeline.tokenize.worker import init_worker
 from pipeline.tokenize.writer import verify_dataset
-
-from conftest import subprocess_env
 
 REPO = Path(__file__).resolve().parents[1]
 N_DOCS = 2000  # ~180 KB compressed: several of the zstd reader's 64 KB chunks, so a cut falls mid-stream
@@ -97,7 +98,7 @@ def test_a_dead_jobs_lock_is_taken_over(tmp_path, capsys, monkeypatch, flock):
     if not flock:  # as on a filesystem without flock: the lock is an exclusively created file
         monkeypatch.setenv("GRT_LOCK_FALLBACK", "1")
     ds = tmp_path / "ds"
-    code = ("import os, sys\nfrom pipeline.locking import FolderLock\n"
+    code = ("import os, sys\nfrom pipeline.runtime.locking import FolderLock\n"
             f"FolderLock({str(ds)!r}, 'dataset folder').acquire()\nprint(os.getpid(), flush=True)\nos._exit(0)\n")
     dead = int(subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True, capture_output=True,
                               text=True).stdout)
@@ -121,7 +122,7 @@ def test_an_up_to_date_check_waits_out_a_brief_holder_and_force_keeps_the_lock(t
     cfg = DataConfig(sources=[SourceConfig(paths=[str(src)])], dataset_dir=str(ds), val_fraction=0.2)
     made = tokenize(cfg, quiet=True, workers=1)
     # another job holds the folder for a moment (as a second `grt run` sharing the dataset does while it checks)
-    code = ("import sys, time\nfrom pipeline.locking import FolderLock\n"
+    code = ("import sys, time\nfrom pipeline.runtime.locking import FolderLock\n"
             f"with FolderLock({str(ds)!r}, 'dataset folder'):\n    print('held', flush=True)\n    time.sleep(1.0)\n")
     holder = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdout=subprocess.PIPE, text=True)
     try:

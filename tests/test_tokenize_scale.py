@@ -17,15 +17,19 @@ import pytest
 import yaml
 import zstandard
 
+from conftest import make_corpus
+from conftest import tiny_recipe
 from pipeline.cli import main
-from pipeline.config import DataConfig, SourceConfig, from_dict
+from pipeline.config import DataConfig
+from pipeline.config import SourceConfig
+from pipeline.config import from_dict
 from pipeline.tokenize import tokenize
 from pipeline.tokenize.bpe import gpt2_encoding
-from pipeline.tokenize.stage import BATCH_RECORDS, FAULT_STOP_ENV
+from pipeline.tokenize.stage import BATCH_RECORDS
+from pipeline.tokenize.stage import FAULT_STOP_ENV
 from pipeline.tokenize.writer import verify_dataset
-from pipeline.train.data import SequenceLoader, TokenShards
-
-from conftest import make_corpus, tiny_recipe
+from pipeline.train.data import SequenceLoader
+from pipeline.train.data import TokenShards
 
 REPO = Path(__file__).resolve().parents[1]
 SHARD_NAME = re.compile(r"(train|val)_\d{6}\.(bin|idx)")  # a shard's final name (writer.py)
@@ -501,7 +505,7 @@ class _CountedFuture:
 
 @pytest.mark.parametrize("workers", [1, 2])
 def test_at_most_2n_plus_2_batches_are_in_flight(tmp_path, monkeypatch, workers):
-    """README: "At most 2N+2 batches are in flight". Batches of 5 records (BATCH_RECORDS patched down) make 40 of
+    """docs/data.md: "At most 2N+2 batches are in flight". Batches of 5 records (BATCH_RECORDS patched down) make 40 of
     them, far more than the bound; the stage's executor is wrapped to count batches submitted and not yet taken back.
     The count reaches exactly 2N+2 (the stage takes a result back once 2N+2 are out), never more: an unbounded or
     looser queue would show up to all 40 at once."""

@@ -26,13 +26,18 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pipeline import cli, tracking
+from conftest import free_port
+from conftest import make_corpus
+from conftest import printed_steps
+from conftest import step_losses
+from conftest import subprocess_env
+from conftest import tiny_recipe
+from pipeline import cli
+from pipeline import tracking
 from pipeline.config import from_dict
 from pipeline.tokenize import tokenize
 from pipeline.train.callbacks import Callback
 from pipeline.train.trainer import Trainer
-
-from conftest import free_port, make_corpus, printed_steps, step_losses, subprocess_env, tiny_recipe
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -95,9 +100,9 @@ def recipe(tmp, corpus, uri, name, **train) -> dict:
 @pytest.fixture
 def fast_flush(monkeypatch):
     """A request at every log call and a server looked for again at once: the test sees every transition."""
-    monkeypatch.setattr(tracking, "FLUSH_EVERY_S", 0.0)
-    monkeypatch.setattr(tracking, "RETRY_DOWN_S", 0.0)
-    monkeypatch.setattr(tracking, "SYSTEM_METRICS_INTERVAL_S", 0.1)
+    monkeypatch.setattr(tracking.tracker, "FLUSH_EVERY_S", 0.0)
+    monkeypatch.setattr(tracking.tracker, "RETRY_DOWN_S", 0.0)
+    monkeypatch.setattr(tracking.tracker, "SYSTEM_METRICS_INTERVAL_S", 0.1)
     for var in ("SLURM_JOB_ID", "TORCHELASTIC_RUN_ID", "CROSS_RANK", "CROSS_SIZE"):
         monkeypatch.delenv(var, raising=False)
 
@@ -175,7 +180,8 @@ def test_a_refused_line_is_set_aside_and_a_concurrent_sync_loses_nothing(tmp_pat
     from mlflow.exceptions import MlflowException
     from mlflow.protos.databricks_pb2 import INVALID_PARAMETER_VALUE
 
-    from pipeline.tracking_sync import REJECTED_FILE, TrackingBuffer
+    from pipeline.tracking.journal import REJECTED_FILE
+    from pipeline.tracking.journal import TrackingBuffer
 
     class Store:
         def __init__(self, down_after: int | None = None):

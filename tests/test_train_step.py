@@ -6,13 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conftest import tiny_recipe
 from pipeline.config import from_dict
 from pipeline.tokenize import tokenize
 from pipeline.train import faults
-from pipeline.train.data import SequenceLoader, TokenShards
-from pipeline.train.trainer import BadStepsError, Trainer
-
-from conftest import tiny_recipe
+from pipeline.train.data import SequenceLoader
+from pipeline.train.data import TokenShards
+from pipeline.train.trainer import BadStepsError
+from pipeline.train.trainer import Trainer
 
 
 @pytest.fixture
@@ -66,8 +67,8 @@ def snapshot(model) -> dict[str, torch.Tensor]:
 def test_a_non_finite_step_is_dropped(monkeypatch, make_trainer):
     """A NaN loss in one micro-step: the step reports finite=False and a NaN loss, the weights stay as they were and
     no gradient is left behind; the next step trains again."""
+    monkeypatch.setattr(faults, "FAULT_NAN_STEPS", {2})  # before the trainer is built: it adds the fault hooks
     t = make_trainer(2)
-    monkeypatch.setattr(faults, "FAULT_NAN_STEPS", {2})
     assert t.train_step()["finite"]
     before = snapshot(t.raw_model)
     bad = t.train_step()
@@ -82,8 +83,8 @@ def test_a_non_finite_step_is_dropped(monkeypatch, make_trainer):
 def test_a_backend_that_cannot_drop_a_step_stops_before_the_update(monkeypatch, make_trainer):
     """DeepSpeed cannot drop a step once its engine counted the micro-steps: the run stops with BadStepsError, and
     the optimizer never stepped on the NaN gradients (the weights are those before the step)."""
-    t = make_trainer(2)
     monkeypatch.setattr(faults, "FAULT_NAN_STEPS", {1})
+    t = make_trainer(2)
     monkeypatch.setattr(t.backend, "can_skip", False)
     before = snapshot(t.raw_model)
     with pytest.raises(BadStepsError, match="non-finite loss at step 1: the single backend cannot skip"):

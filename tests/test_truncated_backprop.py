@@ -1,12 +1,14 @@
-"""Truncated backprop for GRT (``model.backprop_steps`` k, or ``train.bptt_k``): in training only the last k
-recurrence steps get gradient. Checked against a hand-written loop that detaches the state after r - k steps, with the
-same noise draws, and against the FLOPs count by hand."""
+"""Truncated backprop for GRT (``model.backprop_steps`` k; ``train.bptt_k`` is its deprecated alias): in training only
+the last k recurrence steps get gradient. Checked against a hand-written loop that detaches the state after r - k
+steps, with the same noise draws, and against the FLOPs count by hand."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from pipeline.config import GRTConfig, RecipeError, from_dict
+from pipeline.config import RecipeError
+from pipeline.config import from_dict
+from pipeline.model.configs import GRTConfig
 from pipeline.model.grt import GRT
 from pipeline.model.layers import head_output
 
@@ -93,8 +95,8 @@ def recipe(model: dict, train: dict) -> dict:
 
 
 def test_train_bptt_k_is_the_models_backprop_steps():
-    """train.bptt_k sets model.backprop_steps of grt and poisson (Poisson's own default 8 included); a disagreeing
-    model.backprop_steps, a model without truncation, and k < 1 are errors naming the fix."""
+    """train.bptt_k (deprecated) sets model.backprop_steps of grt and poisson (Poisson's own default 8 included); a
+    disagreeing model.backprop_steps, a model without truncation, and k < 1 are errors naming the fix."""
     assert from_dict(recipe({"type": "grt"}, {"bptt_k": 3})).model.backprop_steps == 3
     assert from_dict(recipe({"type": "grt"}, {})).model.backprop_steps is None
     assert from_dict(recipe({"type": "poisson"}, {"bptt_k": 3})).model.backprop_steps == 3
@@ -113,3 +115,97 @@ def test_train_bptt_k_is_the_models_backprop_steps():
     with pytest.raises(RecipeError) as e:
         from_dict(recipe({"type": "grt", "backprop_steps": 0}, {"bptt_k": 0}))
     assert "train.bptt_k must be >= 1" in str(e.value) and "model.backprop_steps must be >= 1" in str(e.value)
+
+
+def test_train_bptt_k_is_a_deprecated_alias(capsys, monkeypatch):
+    """model.backprop_steps is the one key: the alias train.bptt_k maps onto it with one note on stderr (rank 0
+    only), is no field of its own, and a null one (every old run folder's saved recipe.yaml has it) says nothing."""
+    from pipeline.config import loading
+
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.setattr(loading, "_BPTT_NOTED", set())  # no source noted yet in this process
+    cfg = from_dict(recipe({"type": "grt"}, {"bptt_k": 3, "lr": 1e-3}), "r.yaml")
+    assert cfg.model.backprop_steps == 3 and cfg.train.lr == 1e-3 and "bptt_k" not in cfg.to_dict()["train"]
+    assert capsys.readouterr().err == ("note: r.yaml: train.bptt_k is deprecated, read as model.backprop_steps=3; "
+                                       "write model.backprop_steps in the recipe instead\n")
+    assert from_dict(recipe({"type": "grt", "backprop_steps": 3}, {"lr": 1e-3})) == cfg  # the real key: the same run
+    assert capsys.readouterr().err == ""
+    saved = from_dict(recipe({"type": "poisson"}, {})).to_dict()
+    saved["train"]["bptt_k"] = None  # what runs saved before train.bptt_k became an alias
+    assert from_dict(saved).to_dict() == from_dict(recipe({"type": "poisson"}, {})).to_dict()
+    assert capsys.readouterr().err == ""
+    monkeypatch.setenv("RANK", "1")  # torchrun: one note per job, from rank 0
+    assert from_dict(recipe({"type": "grt"}, {"bptt_k": 3})).model.backprop_steps == 3
+    assert capsys.readouterr().err == ""
+    with pytest.raises(RecipeError) as e:  # both keys, different values: one error naming both
+        from_dict(recipe({"type": "grt", "backprop_steps": 2}, {"bptt_k": 4}))
+    assert e.value.problems == ["train.bptt_k=4 and the recipe's model.backprop_steps=2 disagree: they are the same k; "
+                                "set model.backprop_steps=4 instead of train.bptt_k, or remove backprop_steps from "
+                                "the model section"]
+    with pytest.raises(RecipeError) as e:
+        from_dict(recipe({"type": "grt"}, {"bptt_k": "three"}))
+    assert e.value.problems == ["train.bptt_k must be an integer, got 'three'"]
+
+
+def old_run_recipe(model_k="absent", out_dir: str = "runs") -> dict:
+    """A recipe.yaml saved by a run trained with ``train.bptt_k: 4`` before that key became an alias: the model's
+    backprop_steps absent (runs before GRT had it), null, or 4 (runs whose loader copied bptt_k onto it)."""
+    saved = from_dict({**recipe({"type": "grt"}, {"max_steps": 10}), "out_dir": out_dir}).to_dict()
+    saved["train"]["bptt_k"] = 4
+    if model_k == "absent":
+        del saved["model"]["backprop_steps"]
+    else:
+        saved["model"]["backprop_steps"] = model_k
+    return saved
+
+
+@pytest.mark.parametrize("model_k", ["absent", None, 4])
+def test_an_old_runs_bptt_k_is_no_recipe_change(model_k, tmp_path):
+    """Every comparer of a saved recipe with today's (resume's note and model check, `grt sweep`'s finished) reads
+    the old run's train.bptt_k: 4 as model.backprop_steps: 4, today's key: no change; 4 -> 5 is still one."""
+    import dataclasses
+    import json
+
+    import yaml
+
+    from pipeline.studies.sweep import finished
+    from pipeline.train.checkpointer import model_config_diff
+    from pipeline.train.run_folder import recipe_changes
+
+    for k, change in ((4, []), (5, ["model.backprop_steps: 4 -> 5"])):
+        saved = old_run_recipe(model_k, str(tmp_path / str(k)))
+        now = from_dict({**recipe({"type": "grt", "backprop_steps": k}, {"max_steps": 10}),
+                         "out_dir": saved["out_dir"]})
+        assert recipe_changes(saved, now.to_dict()) == change  # resume's note
+        assert model_config_diff(saved, dataclasses.asdict(now.model)) == [  # resume's refusal
+            c.replace(": 4 -> 5", ": checkpoint 4 != recipe 5") for c in change]
+        ckpt = now.run_dir / "checkpoints" / "step_00000010"  # evaluated at max_steps: `grt sweep` skips it
+        ckpt.mkdir(parents=True)
+        (ckpt / "state.pt").write_bytes(b"")
+        (ckpt / "recipe.yaml").write_text(yaml.safe_dump(saved))
+        (now.run_dir / "eval").mkdir()
+        (now.run_dir / "eval" / "exits.json").write_text(json.dumps({"step": 10, "checkpoint": str(ckpt / "state.pt")}))
+        assert finished(now) == ((True, "") if k == 4 else (
+            False, "the recipe changed since its checkpoint (model.backprop_steps: 4 -> 5)"))
+    null = from_dict(recipe({"type": "grt"}, {"max_steps": 10})).to_dict()
+    assert recipe_changes({**null, "train": {**null["train"], "bptt_k": None}}, null) == []  # a null alias: nothing
+
+
+def test_the_bptt_k_note_is_said_once_per_source_and_never_for_a_saved_recipe(capsys, monkeypatch):
+    """A recipe read again (a sweep checks then trains it; eval reads a checkpoint's recipe once per override) says
+    the train.bptt_k note once; a run's own saved recipe, which nobody should edit, reads silently."""
+    from pipeline.config import loading
+    from pipeline.train.trained import eval_recipe
+
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.setattr(loading, "_BPTT_NOTED", set())
+    for _ in range(3):
+        assert from_dict(recipe({"type": "grt"}, {"bptt_k": 3}), "old.yaml").model.backprop_steps == 3
+    from_dict(recipe({"type": "grt"}, {"bptt_k": 3}), "other.yaml")
+    assert capsys.readouterr().err == "".join(
+        f"note: {s}: train.bptt_k is deprecated, read as model.backprop_steps=3; write model.backprop_steps in the "
+        f"recipe instead\n" for s in ("old.yaml", "other.yaml"))
+    cfg = eval_recipe(old_run_recipe(), ["eval.batch_size=2", "eval.max_steps=3", "tracking.enabled=false"],
+                      "grt eval runs/old")
+    assert cfg.model.backprop_steps == 4 and cfg.eval.max_steps == 3
+    assert capsys.readouterr().err == ""

@@ -1,5 +1,5 @@
-"""`grt eval RUN_OR_CHECKPOINT`: early-exit curves, recurrence diagnostics and downstream tasks of a checkpoint, saved as
-JSON and PNG in the run folder and logged to the run's MLflow run."""
+"""`grt eval RUN_OR_CHECKPOINT`: early-exit curves, recurrence diagnostics and downstream tasks of a checkpoint, saved
+as JSON and PNG in the run folder and logged to the run's MLflow run."""
 from __future__ import annotations
 
 import contextlib
@@ -10,75 +10,40 @@ from pathlib import Path
 
 import torch
 
-from pipeline.config import (RecipeError, RunConfig, apply_overrides, file_in_the_way, folder_problem,
-                             from_dict, sqlite_file)
-from pipeline.model import build_model, exits_are_layers, model_class, model_info
+from pipeline.config import RecipeError
+from pipeline.config import RunConfig
+from pipeline.config.recipe_files import file_in_the_way
+from pipeline.config.recipe_files import folder_problem
+from pipeline.config.recipe_files import sqlite_file
+from pipeline.eval.analyses.methods import method_metrics
+from pipeline.eval.analyses.methods import method_report
+from pipeline.eval.analyses.methods import print_method_report
+from pipeline.eval.analyses.methods import routing
+from pipeline.eval.analyses.plots import plot_diagnostics
+from pipeline.eval.analyses.plots import plot_exit_curves
+from pipeline.eval.analyses.plots import plot_gate_heatmaps
+from pipeline.eval.analyses.suite import analysis_metrics
+from pipeline.eval.analyses.suite import analysis_plots
+from pipeline.eval.analyses.suite import print_analyses
+from pipeline.eval.analyses.suite import run_analyses
+from pipeline.eval.exit_losses import exit_curve
+from pipeline.eval.exit_losses import exit_flops
+from pipeline.eval.results import collect
+from pipeline.eval.results import headline
+from pipeline.infer.precision import inference_precision
+from pipeline.model import exits_are_layers
+from pipeline.model import model_class
+from pipeline.model import model_info
 from pipeline.model.registry import NOISY_TYPES
 from pipeline.tracking import open_tracker
-from pipeline.train.backend import autocast_dtype, pick_device
-from pipeline.train.checkpoint import full_model_state, list_checkpoints, load_checkpoint, resolve_checkpoint
-from pipeline.train.data import TokenShards, check_shards, validation_batches, window_problems
-from pipeline.train.trainer import check_dataset_matches_model
-from pipeline.eval.analyses import analysis_metrics, analysis_plots, print_analyses, run_analyses
-from pipeline.eval.exits import exit_curve, exit_flops
-from pipeline.infer.precision import inference_precision
-from pipeline.eval.methods import method_metrics, method_report, print_method_report, routing
-from pipeline.eval.plots import plot_diagnostics, plot_exit_curves, plot_gate_heatmaps
-
-
-# What an override may change in a trained checkpoint's recipe: how it is evaluated, where that is logged, the device
-# it runs on, where its tokenized dataset now lies (checked against the model's tokenizer). Every other key describes
-# the trained model or how it was trained (eval reports tokens_trained from train.*), so changing it would evaluate
-# something else or mislabel the result.
-EVAL_KEYS = ("eval.", "tracking.", "train.device", "data.dataset_dir", "data.mixture")
-
-
-def eval_recipe(recipe: dict, overrides: list[str], source: str) -> RunConfig:
-    """The checkpoint's recipe with ``overrides`` applied; :class:`RecipeError` (exit 2) naming every override that
-    would change anything but :data:`EVAL_KEYS`, with the checkpoint's value."""
-    trained = from_dict(recipe, source).flat()
-    refused = []
-    for ov in overrides:
-        key, sep, raw = ov.partition("=")
-        key = key.strip()
-        if not sep or key.startswith(EVAL_KEYS):
-            continue
-        try:  # harmless when it leaves the whole recipe as it was (e.g. the value the checkpoint has)
-            if from_dict(apply_overrides(recipe, [ov])[0], source).flat() == trained:
-                continue
-        except RecipeError:
-            pass
-        if key in trained:
-            refused.append(f"{key}={raw}: the checkpoint was trained with {key}={trained[key]!r}")
-        elif any(k.startswith(key + ".") for k in trained):  # a whole section, e.g. model={...}
-            refused.append(f"{key}={raw}: not the {key} section the checkpoint was trained with")
-        else:
-            refused.append(f"{key}={raw}: the checkpoint's recipe has no {key}")
-    if refused:
-        raise RecipeError(refused, f"{source} (a trained checkpoint takes only eval.*, tracking.*, train.device and "
-                                   f"data.dataset_dir / data.mixture overrides; to change the model or its training, "
-                                   f"train a new run)")
-    data, problems = apply_overrides(recipe, overrides)
-    if problems:
-        raise RecipeError(problems, source)
-    return from_dict(data, source)
-
-
-def load_trained(path: str | Path, overrides: list[str] | None = None, device: str = "auto"):
-    """(model in eval mode, recipe, checkpoint state, checkpoint file) from a run folder or checkpoint;
-    ``train.device=...`` among the overrides picks the device."""
-    ckpt = resolve_checkpoint(path)
-    state = load_checkpoint(ckpt, verify=False)  # verified by resolve_checkpoint
-    overrides = list(overrides or [])
-    cfg = eval_recipe(state["recipe"], overrides, f"grt eval {path}")
-    if any(ov.split("=", 1)[0].strip() == "train.device" for ov in overrides):
-        device = cfg.train.device
-    if device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("train.device=cuda but torch sees no CUDA device here; evaluate with train.device=cpu")
-    dev = pick_device(device)
-    model = build_model(cfg.model)
-    model.load_state_dict(full_model_state(ckpt, state))
-    return model.to(dev).eval(), cfg, state, ckpt
+from pipeline.train.backend import autocast_dtype
+from pipeline.train.checkpoint import list_checkpoints
+from pipeline.train.data import TokenShards
+from pipeline.train.data import check_shards
+from pipeline.train.data import validation_batches
+from pipeline.train.data import window_problems
+from pipeline.train.data_match import check_dataset_matches_model
+from pipeline.train.trained import load_trained
 
 
 def run_dir_of(ckpt: Path) -> Path:
@@ -119,7 +84,7 @@ def evaluate(path: str | Path, overrides: list[str] | None = None, quiet: bool =
     info = model_info(cfg.model)
     ev = cfg.eval
     recurrent = not exits_are_layers(cfg.model.type)
-    trained_depth = getattr(cfg.model, "n_recurrence", None)
+    trained_depth = model_class(cfg.model.type).recurrence_depth(cfg.model)
     ref = model_class(cfg.model.type).full_depth(cfg.model)
     deepest = cfg.model.max_depth()  # dense: its layers; MoR / RRT: their last recursion; others: unbounded
     n_max = ev.max_steps or min(2 * trained_depth if recurrent else deepest, deepest or 10**9)
@@ -173,7 +138,7 @@ def evaluate(path: str | Path, overrides: list[str] | None = None, quiet: bool =
         result["diagnostics"] = run_analyses(model, cfg, curve, batches, n_max, ref, device, base_model, note)
         del base_model
     if ev.tasks:
-        from pipeline.eval.downstream import run_tasks
+        from pipeline.eval.lm_eval.downstream import run_tasks
 
         depths = ev.task_depths or [ref]
         with inference_precision(ev.dtype, device):  # the forwards; their log-probabilities are taken in fp32
@@ -233,12 +198,10 @@ def check_inputs(cfg: RunConfig, out_dir: Path) -> list[dict]:
         if problem:
             raise NotADirectoryError(problem)
     if cfg.eval.tasks:
-        from pipeline.eval.downstream import check_task_inputs
+        from pipeline.eval.lm_eval.downstream import check_task_inputs
 
         check_task_inputs(list(cfg.eval.tasks), cfg.eval.task_data_dir)
     if cfg.eval.baseline:
-        from pipeline.eval.compare import collect
-
         return collect([cfg.eval.baseline], cfg.tracking)
     return []
 
@@ -246,7 +209,7 @@ def check_inputs(cfg: RunConfig, out_dir: Path) -> list[dict]:
 def baseline_model(cfg: RunConfig, baseline: list[dict], device) -> tuple[object | None, str | None]:
     """The dense model of ``eval.baseline`` for cross-model CKA (E.4), when ``eval.analyses`` has ``cka``: (model,
     None), or (None, why not)."""
-    from pipeline.eval.analyses import resolve
+    from pipeline.eval.analyses.suite import resolve
 
     if "cka" not in resolve(list(cfg.eval.analyses), cfg.model.type, True)[0]:
         return None, None
@@ -314,8 +277,8 @@ def log_to_mlflow(cfg, state: dict, result: dict, out_dir: Path, plots: list[Pat
 
 def print_report(result: dict) -> None:
     recurrent = not exits_are_layers(result["type"])
-    kind = "layer" if not recurrent else {"mor": "recursion", "rrt": "recursion", "ouro": "loop", "recurtrace": "loop"}.get(
-        result["type"], "recurrence step r")
+    kind = "layer" if not recurrent else {"mor": "recursion", "rrt": "recursion", "ouro": "loop",
+                                          "recurtrace": "loop"}.get(result["type"], "recurrence step r")
     noise = (", noise ON (eval.noise)" if result.get("noise") else ", noise off") if result["type"] in NOISY_TYPES \
         else ""
     arithmetic = f", {result['dtype']} forward" if result.get("dtype") else ""
@@ -350,8 +313,6 @@ def print_report(result: dict) -> None:
     print_analyses(result.get("diagnostics", {}))
     ds = result.get("downstream")
     if ds:
-        from pipeline.eval.downstream import headline
-
         print(f"  downstream ({ds['seconds']:.0f} s):")
         for depth, tasks in ds["depths"].items():
             cells = []

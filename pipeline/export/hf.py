@@ -11,7 +11,7 @@
   ``vocab.json`` / ``merges.txt``), ``generation_config.json`` (EOT 50256 as BOS / EOS / pad) and ``grt_export.json``
   (source checkpoint, step, recipe).
 
-The weights come from :func:`pipeline.eval.stage.load_trained`, so every checkpoint format the pipeline reads works
+The weights come from :func:`pipeline.train.trained.load_trained`, so every checkpoint format the pipeline reads works
 (full, sharded, DeepSpeed, ``grt checkpoint convert`` output). Before the folder is published the export is loaded
 back with transformers in this process and its logits are compared with the pipeline model's.
 """
@@ -22,7 +22,7 @@ import os
 import shutil
 from pathlib import Path
 
-from pipeline.out_folder import check_replaceable
+from pipeline.runtime.out_folder import check_replaceable
 
 SUPPORTED = {"grt": ("GRTForCausalLM", "custom code in the folder: trust_remote_code=True"),
              "gpt": ("GPT2LMHeadModel", "stock transformers")}  # model.type -> (transformers class, how it loads)
@@ -65,15 +65,15 @@ def gpt2_tensors(weights: dict, cfg) -> dict:
 
 
 def grt_config(cfg):
-    """configuration_grt.GRTConfig with every field of the recipe's model section, and the auto_map that makes
+    """configuration_grt.GRTHFConfig with every field of the recipe's model section, and the auto_map that makes
     AutoConfig / AutoModelForCausalLM find the copied code."""
     import dataclasses
 
-    from pipeline.export.hf_template.configuration_grt import GRTConfig
+    from pipeline.export.hf_template.configuration_grt import GRTHFConfig
 
     fields = dataclasses.asdict(cfg)
-    config = GRTConfig(**fields, n_steps=None, kv_strategy="full", architectures=["GRTForCausalLM"], dtype="float32")
-    config.auto_map = {"AutoConfig": "configuration_grt.GRTConfig",
+    config = GRTHFConfig(**fields, n_steps=None, kv_strategy="full", architectures=["GRTForCausalLM"], dtype="float32")
+    config.auto_map = {"AutoConfig": "configuration_grt.GRTHFConfig",
                        "AutoModelForCausalLM": "modeling_grt.GRTForCausalLM"}
     return config
 
@@ -141,7 +141,7 @@ def verify(folder: Path, model, model_type: str) -> float:
 def export_hf(path: str | Path, out: str | Path, check: bool = True) -> tuple[Path, dict]:
     """Write the checkpoint at ``path`` as a Hugging Face folder at ``out``; returns (out, what grt_export.json
     records). Written to a temporary folder beside ``out`` and renamed, so ``out`` is never half-written."""
-    from pipeline.eval.stage import load_trained
+    from pipeline.train.trained import load_trained
 
     out = Path(out)
     check_out(out)
@@ -150,7 +150,8 @@ def export_hf(path: str | Path, out: str | Path, check: bool = True) -> tuple[Pa
     if mtype not in SUPPORTED:
         kinds = "; ".join(f"{k}: {c}, {how}" for k, (c, how) in SUPPORTED.items())
         raise ValueError(f"grt export --format hf supports model.type {' and '.join(SUPPORTED)} ({kinds}); {ckpt} is "
-                         f"a {mtype!r} model. Its weights are available as safetensors: `grt checkpoint convert {path} --to safetensors`")
+                         f"a {mtype!r} model. Its weights are available as safetensors: `grt checkpoint convert {path} "
+                         f"--to safetensors`")
     if getattr(cfg.model, "hyper_streams", 1) > 1:
         raise ValueError(f"{ckpt} has hyper-connections (model.hyper_streams={cfg.model.hyper_streams}), which the "
                          f"exported modeling_grt.py does not implement; export a model with hyper_streams 1, or take "

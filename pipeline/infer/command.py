@@ -6,17 +6,57 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+from pipeline.runtime.exit_status import USAGE
 
-from pipeline.infer.early_exit import CRITERIA, EXIT_TYPES, EarlyExit
-from pipeline.infer.generate import generate
-from pipeline.infer.precision import PRECISIONS, autocast_dtype
-from pipeline.infer.sampling import Sampler, sampling_problems, seeded_generator
-from pipeline.infer.text import TokenText
-from pipeline.model import exits_are_layers
+if TYPE_CHECKING:
+    from pipeline.infer.early_exit import EarlyExit
+
+# torch and the models are imported by the functions that use them: `grt --help` and every other command register
+# this module's parser without loading torch
 
 ENDED_BY = {"eot": "the end-of-text token", "stop": "a stop string", "length": "--max-new-tokens"}
+
+
+def register(sub) -> None:
+    s = sub.add_parser("generate", help="continue a prompt (or a file of prompts) with a trained checkpoint: greedy or "
+                                        "sampled, streamed, with stop strings and early exit at decode")
+    s.add_argument("checkpoint", help="run folder (latest checkpoint), step folder or state.pt")
+    s.add_argument("prompt", nargs="?", default=None, help="the prompt text (or --batch-file)")
+    s.add_argument("--max-new-tokens", type=int, default=64, help="new tokens per prompt at most (default 64)")
+    s.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
+    s.add_argument("--top-k", type=int, default=None, help="sample among the k most likely tokens")
+    s.add_argument("--top-p", type=float, default=None, help="then among the most likely tokens holding mass p")
+    s.add_argument("--seed", type=int, default=0, help="sampling seed (default 0): the same seed, device and "
+                                                       "options give the same text")
+    s.add_argument("--n-steps", type=int, default=None, metavar="R",
+                   help="recurrence steps per token (default: the trained depth; dense model: the exit layer); "
+                        "with --exit, the most steps a token may run")
+    s.add_argument("--kv", default="full", choices=["full", "last", "first", "averaged"],
+                   help="KV-cache strategy across recurrence steps (docs/inference.md)")
+    s.add_argument("--exit", default="none", choices=["none", "kl", "latent", "entropy"],
+                   help="early exit at decode: stop a token's steps when this criterion between successive steps "
+                        "is below --exit-threshold (one prompt at a time)")
+    s.add_argument("--exit-threshold", type=float, default=None, metavar="X")
+    s.add_argument("--batch-file", default=None, metavar="FILE", help="prompts, one per line, generated as one "
+                                                                      "left-padded batch (blank lines skipped)")
+    s.add_argument("--stream", action="store_true", help="print the tokens as they come (one prompt)")
+    s.add_argument("--stop", nargs="+", action="extend", default=None, metavar="STR",
+                   help="end a continuation at any of these strings (cut from the output; \\n = newline, "
+                        "\\t = tab, \\\\ = backslash)")
+    s.add_argument("--device", default="auto", help="auto (CUDA when present), cuda or cpu")
+    s.add_argument("--dtype", default="auto", help="the forwards' precision: auto (bf16 autocast and TF32 on a GPU "
+                                                   "with bf16, fp32 on the CPU), bfloat16 or float32")
+    s.set_defaults(fn=cmd_generate)
+
+
+def cmd_generate(args) -> int:
+    try:
+        return generate_command(args)
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return USAGE
 
 
 class UsageError(ValueError):
@@ -62,6 +102,10 @@ def read_prompts(args) -> list[str]:
 
 def option_problems(args, n_prompts: int) -> list[str]:
     """Conflicts among the options themselves, each with its fix."""
+    from pipeline.infer.early_exit import CRITERIA
+    from pipeline.infer.precision import PRECISIONS
+    from pipeline.infer.sampling import sampling_problems
+
     p = sampling_problems(args.temperature, args.top_k, args.top_p)
     if args.max_new_tokens < 1:
         p.append(f"--max-new-tokens {args.max_new_tokens}: ask for at least 1 token")
@@ -88,6 +132,9 @@ def option_problems(args, n_prompts: int) -> list[str]:
 
 def model_problems(args, cfg, n_vocab: int) -> list[str]:
     """What the checkpoint's model cannot do of what was asked."""
+    from pipeline.infer.early_exit import EXIT_TYPES
+    from pipeline.model import exits_are_layers
+
     m, p = cfg.model, []
     deepest = m.max_depth()
     if args.n_steps is not None and deepest is not None and args.n_steps > deepest:
@@ -96,7 +143,8 @@ def model_problems(args, cfg, n_vocab: int) -> list[str]:
     if args.exit != "none" and m.type not in EXIT_TYPES:
         p.append(f"--exit {args.exit}: model.type={m.type} "
                  + ("is dense, it has no recurrence to exit from: drop --exit (--n-steps L exits at a fixed layer L)"
-                    if exits_are_layers(m.type) else f"does not support early exit (supported: {', '.join(EXIT_TYPES)})"))
+                    if exits_are_layers(m.type) else
+                    f"does not support early exit (supported: {', '.join(EXIT_TYPES)})"))
     if m.vocab_size < n_vocab:
         p.append(f"model.vocab_size={m.vocab_size} is smaller than the GPT-2 BPE's {n_vocab} tokens that grt "
                  f"generate reads and writes text with; this checkpoint was not trained on GPT-2 tokens")
@@ -104,6 +152,15 @@ def model_problems(args, cfg, n_vocab: int) -> list[str]:
 
 
 def generate_command(args, out=None, err=None) -> int:
+    import torch
+
+    from pipeline.infer.early_exit import EarlyExit
+    from pipeline.infer.generate import generate
+    from pipeline.infer.precision import autocast_dtype
+    from pipeline.infer.sampling import Sampler
+    from pipeline.infer.sampling import seeded_generator
+    from pipeline.infer.text import TokenText
+
     out, err = out or sys.stdout, err or sys.stderr
     prompts = read_prompts(args)
     problems = option_problems(args, len(prompts))
@@ -112,9 +169,9 @@ def generate_command(args, out=None, err=None) -> int:
     if args.device.startswith("cuda") and not torch.cuda.is_available():  # in generate's words, not a recipe's
         raise UsageError(f"--device {args.device}: CUDA is not available here (torch sees no CUDA device); pass "
                          f"--device cpu, or omit --device (auto picks CUDA when present)")
-    from pipeline.eval.stage import load_trained
     from pipeline.model import model_class
     from pipeline.tokenize.bpe import gpt2_encoding
+    from pipeline.train.trained import load_trained
 
     model, cfg, _, ckpt = load_trained(args.checkpoint, device=args.device)
     problems = model_problems(args, cfg, gpt2_encoding().n_vocab)
@@ -167,6 +224,8 @@ def generate_command(args, out=None, err=None) -> int:
 
 
 def _depth_note(cfg, depth: int, early: EarlyExit | None, gen, halting: bool = False) -> str:
+    from pipeline.model import exits_are_layers
+
     if halting:
         return (f"halting: each {'token' if cfg.model.halt_mode == 'token' else 'row'} stops once P(continue) < "
                 f"{cfg.model.halt_threshold:g}, at most {depth} loops (--n-steps N: exactly N)")

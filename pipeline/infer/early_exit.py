@@ -26,7 +26,9 @@ from __future__ import annotations
 
 import torch
 
-from pipeline.model.kv_cache import KVCache, at_step
+from pipeline.model.kv_cache import KVCache
+from pipeline.model.kv_cache import at_step
+from pipeline.model.layers import acc_dtype
 from pipeline.model.registry import exits_are_layers
 
 CRITERIA = ("kl", "latent", "entropy")
@@ -37,7 +39,7 @@ class _Recurrence:
     ``step(h, r)`` -> h_{r+1}, ``head_input(h, r)`` (coda, final norm; r = steps run) -> what the head reads."""
 
     def __init__(self, model):
-        self.model = model
+        self.model, self.core = model, model.recurrent_core()
 
     def begin(self, idx: torch.Tensor, start, cache: KVCache) -> torch.Tensor:
         self.h_pre = self.model.encode(idx, start, cache)
@@ -53,7 +55,7 @@ class _GRT(_Recurrence):
         return self.model.initial_state(super().begin(idx, start, cache), noise=False)
 
     def step(self, h, r, cache):
-        h, _, self.anchor = self.model.recur(h, self.h_pre, False, at_step(cache, r), self.anchor)
+        h, _, self.anchor = self.core(h, self.h_pre, False, at_step(cache, r), self.anchor)
         return h
 
 
@@ -62,12 +64,12 @@ class _Poisson(_Recurrence):
         return self.model.initial_state(super().begin(idx, start, cache), noise=False)  # zeros in evaluation
 
     def step(self, h, r, cache):
-        return self.model.recur(h, self.h_pre, at_step(cache, r))
+        return self.core(h, self.h_pre, at_step(cache, r))
 
 
 class _RRT(_Recurrence):  # h_0 = the prelude output; recursion r uses its own LoRAs
     def step(self, h, r, cache):
-        return self.model.recur(h, r, at_step(cache, r))
+        return self.core(h, r, at_step(cache, r))
 
 
 class _MoR(_Recurrence):  # h_0 = the prelude output; causal threshold routing, as MoR decodes with a cache
@@ -76,7 +78,7 @@ class _MoR(_Recurrence):  # h_0 = the prelude output; causal threshold routing, 
         return super().begin(idx, start, cache)
 
     def step(self, h, r, cache):
-        h, self.chosen, _ = self.model.recur(h, r, self.chosen, True, at_step(cache, r))
+        h, self.chosen, _ = self.core(h, r, self.chosen, True, at_step(cache, r))
         return h
 
 
@@ -87,10 +89,10 @@ class _Ouro(_Recurrence):
         return self.model.embed(idx, start)
 
     def step(self, h, r, cache):
-        return self.model.recur(h, at_step(cache, r))
+        return self.core(h, at_step(cache, r))
 
     def head_input(self, h, r, cache):
-        return self.model.recur(h, run_blocks=False) if r == 0 else h  # e = 0: the loop's norm on the embeddings
+        return self.core(h, run_blocks=False) if r == 0 else h  # e = 0: the loop's norm on the embeddings
 
 
 RECURRENCES = {"grt": _GRT, "poisson": _Poisson, "rrt": _RRT, "mor": _MoR, "ouro": _Ouro}
@@ -145,7 +147,7 @@ class EarlyExit:
                 else:
                     value = (_entropy(logp) - _entropy(prev_logp)).abs()
             else:
-                a, b = h[:, -1].to(_acc(h.dtype)), h_prev[:, -1].to(_acc(h.dtype))
+                a, b = h[:, -1].to(acc_dtype(h.dtype)), h_prev[:, -1].to(acc_dtype(h.dtype))
                 value = (a - b).norm() / a.norm()
             values.append(value.item())
             if values[-1] < self.threshold:
@@ -158,12 +160,8 @@ class EarlyExit:
 
 
 def _log_probs(logits: torch.Tensor) -> torch.Tensor:
-    return torch.log_softmax(logits.to(_acc(logits.dtype)), dim=-1)
+    return torch.log_softmax(logits.to(acc_dtype(logits.dtype)), dim=-1)
 
 
 def _entropy(logp: torch.Tensor) -> torch.Tensor:
     return -(logp.exp() * logp).sum()
-
-
-def _acc(dtype: torch.dtype) -> torch.dtype:
-    return torch.promote_types(dtype, torch.float32)

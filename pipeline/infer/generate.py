@@ -1,5 +1,5 @@
 """Batched generation with a KV cache: the one decoding loop behind ``grt generate`` and the lm-eval adapter's
-``generate_until`` (through :func:`pipeline.eval.scoring.greedy_generate`).
+``generate_until`` (through :func:`pipeline.eval.lm_eval.scoring.greedy_generate`).
 
     prompts (any lengths) --left padding--> one prefill forward --> next token of each row (greedy or sampled)
         --> one forward per new token (each row its own positions) --> ... until every row has stopped
@@ -20,8 +20,11 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from collections.abc import Iterator
+from collections.abc import Sequence
+from dataclasses import dataclass
+from dataclasses import field
 
 import torch
 

@@ -4,13 +4,21 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from pipeline.config import GPTConfig
-from pipeline.model.layers import (Block, KVCache, LayerNorm, TokenEmbedding, block_flops_per_token, cache_slot,
-                                   copy_full, head_flops_per_token, head_output, init_gpt2_weights)
+from pipeline.model.configs import GPTConfig
+from pipeline.model.interface import LanguageModel
+from pipeline.model.layers import Block
+from pipeline.model.layers import KVCache
+from pipeline.model.layers import LayerNorm
+from pipeline.model.layers import TokenEmbedding
+from pipeline.model.layers import block_flops_per_token
+from pipeline.model.layers import cache_slot
+from pipeline.model.layers import copy_full
+from pipeline.model.layers import head_flops_per_token
+from pipeline.model.layers import head_output
+from pipeline.model.layers import init_gpt2_weights
 
 
-class GPT(nn.Module):
-    config_class = GPTConfig
+class GPT(LanguageModel):
     exits_are_layers = True  # its depth is the exit layer (no recurrence); subclasses with other blocks inherit it
 
     def __init__(self, cfg: GPTConfig):
@@ -61,13 +69,6 @@ class GPT(nn.Module):
             h = block(h)
             if l in wanted:
                 yield l, self.ln_f(h)
-
-    @torch.no_grad()
-    def exit_losses(self, idx: torch.Tensor, targets: torch.Tensor, n_steps: int | None = None) -> dict:
-        """Loss when exiting after each layer l = 1..L through the final LN and head, in one pass."""
-        exits = range(1, self._exit_layer(n_steps) + 1)
-        losses = [head_output(self.lm_head, s, targets)[1].item() for _, s in self.exit_states(idx, exits)]
-        return {"exit": list(exits), "loss": losses}
 
     @staticmethod
     def full_depth(cfg: GPTConfig) -> int:

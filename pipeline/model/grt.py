@@ -12,22 +12,33 @@ turn off one component each, giving the rows of the paper's Figure 5 / Table 7.
 """
 from __future__ import annotations
 
-import hashlib
-from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ops import gate_update, gated_update, new_seed, state_noise
-from ops.gate import gate_reference, gate_update_reference
-from pipeline.config import GRTConfig
+from ops import gate_update
+from ops import gated_update
+from ops import new_seed
+from ops import state_noise
+from ops.gate import gate_reference
+from ops.gate import gate_update_reference
+from pipeline.model.configs import GRTConfig
 from pipeline.model.fp32_linear import FP32Linear
 from pipeline.model.hyper_connections import core_blocks
+from pipeline.model.layers import KVCache
+from pipeline.model.layers import KVCacheAtStep
+from pipeline.model.layers import LayerNorm
+from pipeline.model.layers import at_step
+from pipeline.model.layers import block_flops_per_token
+from pipeline.model.layers import cache_slot
+from pipeline.model.layers import copy_full
+from pipeline.model.layers import head_flops_per_token
+from pipeline.model.layers import head_output
+from pipeline.model.layers import init_gpt2_weights
 from pipeline.model.recurrent import RecurrentLM
-from pipeline.model.layers import (KVCache, KVCacheAtStep, LayerNorm, at_step, block_flops_per_token,
-                                   cache_slot, copy_full, head_flops_per_token, head_output, init_gpt2_weights)
+from pipeline.runtime.seeds import derive_seed
 
 
 class SplitLinear(nn.Linear):
@@ -157,16 +168,7 @@ class RecurrentStep(nn.Module):
         return gate_update(z, h, o, 1.0 / self.cfg.tau, sigma, seed), None, anchor
 
 
-@dataclass
-class ExitCurve:
-    exit: list[int]  # r = 1..n
-    loss: list[float]  # loss after coda + head applied to h^(r)
-    gate_mean: list[float] | None  # mean of g^(r) over batch, positions and features
-    loss_r0: float  # coda + head applied to h^(0) (prelude only when init_state=prelude)
-
-
 class GRT(RecurrentLM):
-    config_class = GRTConfig
 
     def __init__(self, cfg: GRTConfig):
         super().__init__(cfg, RecurrentStep(cfg))
@@ -247,17 +249,6 @@ class GRT(RecurrentLM):
                     gates[r] = g.detach().float().mean()  # a 0-d tensor: no host sync per exit
                 yield r, self.readout(h)
 
-    @torch.no_grad()
-    def exit_losses(self, idx: torch.Tensor, targets: torch.Tensor, n_steps: int | None = None) -> dict:
-        """The early-exit curve in one pass: loss after every step r = 1..n (coda + head on each h^(r)), noise off,
-        and the gate's mean per step."""
-        n = self.cfg.n_recurrence if n_steps is None else n_steps
-        gates: dict[int, float] = {}
-        losses = [head_output(self.lm_head, states, targets)[1].item()
-                  for _, states in self.exit_states(idx, range(n + 1), gates)]
-        return vars(ExitCurve(list(range(1, n + 1)), losses[1:], [float(v) for v in gates.values()] or None,
-                              losses[0]))
-
     # --------------------------------------------------------------------------------------------- accounting
     def train_depth(self, seed: int, step: int, micro_step: int | None = None) -> int:
         """r ~ U{1..R} (paper §3.4) from a generator seeded by (seed, step), or by (seed, step, micro_step) with
@@ -268,8 +259,7 @@ class GRT(RecurrentLM):
         if self.cfg.depth_sampling == "fixed":
             return self.cfg.n_recurrence
         # the per-step key is the one checkpoints and tests were made with: never change it
-        text = f"depth:{seed}:{step}" + ("" if micro_step is None else f":{micro_step}")
-        key = int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little")
+        key = derive_seed("depth", seed, step, *(() if micro_step is None else (micro_step,)))
         gen = torch.Generator().manual_seed(key)
         return int(torch.randint(1, self.cfg.n_recurrence + 1, (1,), generator=gen).item())
 

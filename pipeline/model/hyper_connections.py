@@ -37,8 +37,9 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
-from pipeline.config import GRTConfig
-from pipeline.model.layers import Block, KVSlot
+from pipeline.model.configs import GRTConfig
+from pipeline.model.layers import Block
+from pipeline.model.layers import KVSlot
 
 
 def mix_streams(weights: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:

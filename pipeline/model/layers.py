@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import functools
-import hashlib
 import math
 from typing import Callable
 
@@ -11,7 +10,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ops import linear_cross_entropy
-from pipeline.model.kv_cache import KVCache, KVCacheAtStep, KVSlot, at_step, cache_slot  # noqa: F401 (re-exported)
+from pipeline.model.kv_cache import KVCache  # noqa: F401 (re-exported)
+from pipeline.model.kv_cache import KVCacheAtStep  # noqa: F401 (re-exported)
+from pipeline.model.kv_cache import KVSlot  # noqa: F401 (re-exported)
+from pipeline.model.kv_cache import at_step  # noqa: F401 (re-exported)
+from pipeline.model.kv_cache import cache_slot  # noqa: F401 (re-exported)
+from pipeline.runtime.seeds import derive_seed
 
 
 class LayerNorm(nn.Module):
@@ -90,6 +94,8 @@ class MLP(nn.Module):
 class Block(nn.Module):
     """Pre-LN transformer block: x + attn(ln(x)), then + mlp(ln(x)). 12d^2 + 13d parameters with biases."""
 
+    positions_in_order = False  # all positions at once (a self-KV block runs them one after another: compile its MLP)
+
     def __init__(self, d_model: int, n_head: int, dropout: float = 0.0, bias: bool = True):
         super().__init__()
         self.ln_1 = LayerNorm(d_model, bias)
@@ -137,7 +143,7 @@ class TokenEmbedding(nn.Module):
 def param_seed(seed: int, name: str) -> int:
     """The seed of parameter ``name``'s own generator: its initial value depends on (seed, name) alone, not on the
     order of construction, the device or how the parameter is sharded."""
-    return int.from_bytes(hashlib.sha256(f"init:{seed}:{name}".encode()).digest()[:8], "little")
+    return derive_seed("init", seed, name)
 
 
 def gpt2_init_value(module: nn.Module, attr: str, shape: torch.Size, gen: torch.Generator,
@@ -183,6 +189,11 @@ def init_gpt2_weights(model: nn.Module, n_residual_layers: int, seed: int, assig
         owner, _, attr = name.rpartition(".")
         gen = torch.Generator().manual_seed(param_seed(seed, name))
         assign(param, functools.partial(gpt2_init_value, modules[owner], attr, gen=gen, std_resid=std_resid))
+
+
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype sums and softmaxes accumulate in: fp32 for bf16/fp16/fp32, fp64 kept."""
+    return torch.promote_types(dtype, torch.float32)
 
 
 def head_output(lm_head: nn.Linear, h: torch.Tensor, targets: torch.Tensor | None):

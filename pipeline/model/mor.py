@@ -17,11 +17,12 @@ Training loss = CE + aux_loss_coef * sum_r BCE_with_logits(z over C_r, 1[i in K_
 BCE averaged over the candidate tokens of each recursion as theirs is, then summed over recursions: MoR returns one
 sampling loss per recursion layer and the LM loss adds each of them (a mean would shrink the router signal with N_r).
 
-Routing modes (the attribute ``MoR.routing``, not a recipe key): "topk" (training and default evaluation: expert choice as trained, not causal: a
-token's selection depends on later tokens' scores) and "threshold" (causal: token i takes recursion r iff it took
-r-1 and sigmoid(z_i) >= 0.5, the rule the auxiliary loss trains the router for). Threshold mode runs each recursion
-at full length with the unchosen keys masked out and the unchosen tokens' outputs discarded; with a KV cache the
-routing is always threshold and each cache slot keeps every token's keys plus its chosen flag.
+Routing modes (the attribute ``MoR.routing``, not a recipe key): "topk" (training and default evaluation: expert
+choice as trained, not causal: a token's selection depends on later tokens' scores) and "threshold" (causal: token i
+takes recursion r iff it took r-1 and sigmoid(z_i) >= 0.5, the rule the auxiliary loss trains the router for).
+Threshold mode runs each recursion at full length with the unchosen keys masked out and the unchosen tokens' outputs
+discarded; with a KV cache the routing is always threshold and each cache slot keeps every token's keys plus its
+chosen flag.
 """
 from __future__ import annotations
 
@@ -29,11 +30,19 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from pipeline.config import MoRConfig
+from pipeline.model.configs import MoRConfig
 from pipeline.model.fp32_linear import FP32Linear
+from pipeline.model.layers import Block
+from pipeline.model.layers import KVCache
+from pipeline.model.layers import KVCacheAtStep
+from pipeline.model.layers import at_step
+from pipeline.model.layers import block_flops_per_token
+from pipeline.model.layers import cache_slot
+from pipeline.model.layers import copy_full
+from pipeline.model.layers import head_flops_per_token
+from pipeline.model.layers import head_output
+from pipeline.model.layers import init_gpt2_weights
 from pipeline.model.recurrent import RecurrentLM
-from pipeline.model.layers import (Block, KVCache, KVCacheAtStep, at_step, block_flops_per_token,
-                                   cache_slot, copy_full, head_flops_per_token, head_output, init_gpt2_weights)
 
 ROUTINGS = ("topk", "threshold")
 
@@ -45,7 +54,7 @@ def capacity_tokens(n_recurrence: int, r: int, seq_len: int) -> int:
     return max(1, (n_recurrence - r) * seq_len // n_recurrence)
 
 
-class Recursion(nn.Module):
+class MoRRecursion(nn.Module):
     """One recursion: route, run the shared core on the chosen tokens, weighted update. A module of its own so that
     activation checkpointing and compilation wrap exactly one recursion; it holds every recursion's router."""
 
@@ -101,10 +110,9 @@ class Recursion(nn.Module):
 
 
 class MoR(RecurrentLM):
-    config_class = MoRConfig
 
     def __init__(self, cfg: MoRConfig):
-        super().__init__(cfg, Recursion(cfg))
+        super().__init__(cfg, MoRRecursion(cfg))
         self.routing = "topk"  # "topk" (as trained) | "threshold" (causal); not a parameter, not in the checkpoint
 
     def init_weights(self, seed: int, assign=copy_full) -> None:

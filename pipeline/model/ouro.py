@@ -29,11 +29,22 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ops import linear_cross_entropy
-from pipeline.config import OuroConfig
+from pipeline.model.configs import OuroConfig
 from pipeline.model.fp32_linear import FP32Linear
-from pipeline.model.layers import (Block, KVCache, KVCacheAtStep, LayerNorm, TokenEmbedding, at_step,
-                                   block_flops_per_token, cache_slot, copy_full, head_flops_per_token, head_output,
-                                   init_gpt2_weights)
+from pipeline.model.interface import LanguageModel
+from pipeline.model.layers import Block
+from pipeline.model.layers import KVCache
+from pipeline.model.layers import KVCacheAtStep
+from pipeline.model.layers import LayerNorm
+from pipeline.model.layers import TokenEmbedding
+from pipeline.model.layers import acc_dtype
+from pipeline.model.layers import at_step
+from pipeline.model.layers import block_flops_per_token
+from pipeline.model.layers import cache_slot
+from pipeline.model.layers import copy_full
+from pipeline.model.layers import head_flops_per_token
+from pipeline.model.layers import head_output
+from pipeline.model.layers import init_gpt2_weights
 
 
 def exit_log_probs(gate_logits: torch.Tensor) -> torch.Tensor:
@@ -44,10 +55,6 @@ def exit_log_probs(gate_logits: torch.Tensor) -> torch.Tensor:
     before = torch.cat([zero, F.logsigmoid(-gate_logits).cumsum(dim=-1)], dim=-1)  # log prod_{j<t} (1 - lambda_j)
     leave = torch.cat([F.logsigmoid(gate_logits), zero], dim=-1)  # log lambda_t; the last loop takes the rest
     return before + leave
-
-
-def _acc(dtype: torch.dtype) -> torch.dtype:
-    return torch.promote_types(dtype, torch.float32)
 
 
 class OuroLoop(nn.Module):
@@ -66,8 +73,7 @@ class OuroLoop(nn.Module):
         return self.ln_f(h)
 
 
-class Ouro(nn.Module):
-    config_class = OuroConfig
+class Ouro(LanguageModel):
 
     def __init__(self, cfg: OuroConfig):
         super().__init__()
@@ -86,6 +92,9 @@ class Ouro(nn.Module):
         scaled for n_layer additions, not n_layer * T: the loop's norm restarts the residual stream every loop, so
         no stream sums more than n_layer block outputs (GPT-2's reason for the 1/sqrt(2 L) scale)."""
         init_gpt2_weights(self, self.cfg.n_layer, seed, assign)
+
+    def recurrent_core(self) -> nn.Module:
+        return self.recur  # the whole stack and its norm: one loop
 
     # ------------------------------------------------------------------------------------------------ forward
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, n_steps: int | None = None,
@@ -137,7 +146,7 @@ class Ouro(nn.Module):
         for _ in range(n - 1):
             h = self.recur(h)
             gate_logits.append(self._gate_logit(h))
-        z = torch.stack(gate_logits, dim=-1) if gate_logits else h.new_zeros(*idx.shape, 0, dtype=_acc(h.dtype))
+        z = torch.stack(gate_logits, dim=-1) if gate_logits else h.new_zeros(*idx.shape, 0, dtype=acc_dtype(h.dtype))
         return exit_log_probs(z).exp()
 
     def _gate_logit(self, h: torch.Tensor) -> torch.Tensor:
@@ -160,13 +169,6 @@ class Ouro(nn.Module):
             h = self.recur(h)
             if e in wanted:
                 yield e, h
-
-    @torch.no_grad()
-    def exit_losses(self, idx: torch.Tensor, targets: torch.Tensor, n_steps: int | None = None) -> dict:
-        """The plain loss when exiting after each loop t = 1..n (default T), in one pass."""
-        exits = range(1, self._depth(n_steps) + 1)
-        losses = [head_output(self.lm_head, s, targets)[1].item() for _, s in self.exit_states(idx, exits)]
-        return {"exit": list(exits), "loss": losses}
 
     def _depth(self, n_steps: int | None) -> int:
         if n_steps is None:

@@ -17,16 +17,24 @@ runs r steps (``n_recurrence``). The loss is plain next-token cross-entropy: the
 """
 from __future__ import annotations
 
-import hashlib
 import math
 
 import torch
 import torch.nn as nn
 
-from pipeline.config import PoissonConfig
+from pipeline.model.configs import PoissonConfig
+from pipeline.model.layers import Block
+from pipeline.model.layers import KVCache
+from pipeline.model.layers import KVCacheAtStep
+from pipeline.model.layers import at_step
+from pipeline.model.layers import block_flops_per_token
+from pipeline.model.layers import cache_slot
+from pipeline.model.layers import copy_full
+from pipeline.model.layers import head_flops_per_token
+from pipeline.model.layers import head_output
+from pipeline.model.layers import init_gpt2_weights
 from pipeline.model.recurrent import RecurrentLM
-from pipeline.model.layers import (Block, KVCache, KVCacheAtStep, at_step, block_flops_per_token,
-                                   cache_slot, copy_full, head_flops_per_token, head_output, init_gpt2_weights)
+from pipeline.runtime.seeds import derive_seed
 
 
 class PoissonStep(nn.Module):
@@ -69,7 +77,6 @@ def training_depth_pmf(mean: float, sigma: float, j_max: int, grid: int = 4001) 
 
 
 class PoissonDepth(RecurrentLM):
-    config_class = PoissonConfig
 
     def __init__(self, cfg: PoissonConfig):
         super().__init__(cfg, PoissonStep(cfg))
@@ -144,8 +151,7 @@ class PoissonDepth(RecurrentLM):
         with lockstep across ranks). The rate's location uses log r; Huginn's code uses log(max(r - k, 0) + k), the
         same whenever r >= k (their release: r = 32, k = 8); for r < k we keep E[lambda] = r, the recipe's depth."""
         # the per-step key is the one checkpoints and tests were made with: never change it
-        text = f"poisson-depth:{seed}:{step}" + ("" if micro_step is None else f":{micro_step}")
-        key = int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little")
+        key = derive_seed("poisson-depth", seed, step, *(() if micro_step is None else (micro_step,)))
         gen = torch.Generator().manual_seed(key)
         r, sigma = float(self.cfg.n_recurrence), self.cfg.depth_sigma
         rate = torch.full((1,), r, dtype=torch.float64)

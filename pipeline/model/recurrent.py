@@ -7,11 +7,16 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from pipeline.config import RecurrentConfig
-from pipeline.model.layers import Block, KVCache, LayerNorm, TokenEmbedding, cache_slot, head_output
+from pipeline.model.configs import RecurrentConfig
+from pipeline.model.interface import LanguageModel
+from pipeline.model.layers import Block
+from pipeline.model.layers import KVCache
+from pipeline.model.layers import LayerNorm
+from pipeline.model.layers import TokenEmbedding
+from pipeline.model.layers import cache_slot
 
 
-class RecurrentLM(nn.Module):
+class RecurrentLM(LanguageModel):
     def __init__(self, cfg: RecurrentConfig, recur: nn.Module):
         super().__init__()
         self.cfg = cfg
@@ -23,6 +28,9 @@ class RecurrentLM(nn.Module):
         self.ln_f = LayerNorm(d, cfg.bias)
         self.lm_head = nn.Linear(d, cfg.vocab_size, bias=False)
         self.lm_head.weight = self.embed.wte.weight  # tied head
+
+    def recurrent_core(self) -> nn.Module:
+        return self.recur
 
     def encode(self, idx: torch.Tensor, start: int | torch.Tensor = 0, cache: KVCache | None = None) -> torch.Tensor:
         """Embeddings and prelude: h_pre, what the recurrence starts from or re-injects. ``start``: what
@@ -38,16 +46,8 @@ class RecurrentLM(nn.Module):
             h = block(h, cache_slot(cache, block))
         return self.ln_f(h)
 
-    @torch.no_grad()
-    def exit_losses(self, idx: torch.Tensor, targets: torch.Tensor, n_steps: int | None = None) -> dict:
-        """Loss after every step e = 1..n (coda + head on the state after e steps) in one pass, and after none
-        (``loss_r0``)."""
-        n = self.full_depth(self.cfg) if n_steps is None else n_steps
-        losses = [head_output(self.lm_head, s, targets)[1].item() for _, s in self.exit_states(idx, range(n + 1))]
-        return {"exit": list(range(1, n + 1)), "loss": losses[1:], "loss_r0": losses[0]}
-
     def grad_free_steps(self, n: int) -> int:
-        """Truncated backprop (``model.backprop_steps`` k, set by ``train.bptt_k``; GRT and Poisson): in training the
+        """Truncated backprop (``model.backprop_steps`` k; GRT and Poisson): in training the
         first max(n - k, 0) of n steps run under no_grad and only the last min(k, n) get gradient; none without k or
         in eval mode (the caller's grad mode decides there). Every rank runs the same modules in the same order
         either way, and the last step always has gradient, so every parameter gets one (DDP needs no

@@ -22,10 +22,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from pipeline.config import RecurrentTransformerConfig
+from pipeline.model.configs import RecurrentTransformerConfig
 from pipeline.model.gpt import GPT
-from pipeline.model.layers import MLP, KVCache, LayerNorm, cache_slot
-from pipeline.model.self_kv_attention import attend_reference, attend_tiled
+from pipeline.model.layers import MLP
+from pipeline.model.layers import LayerNorm
+from pipeline.model.self_kv_attention import attend_reference
+from pipeline.model.self_kv_attention import attend_tiled
 
 
 class SelfKVBlock(nn.Module):
@@ -93,7 +95,6 @@ class RecurrentTransformer(GPT):
     """GPT-2 with :class:`SelfKVBlock` layers: embedding, ``n_layer`` blocks, final LN, tied head. Everything but the
     block (exits, accounting, the head) is the dense model's."""
 
-    config_class = RecurrentTransformerConfig
 
     @staticmethod
     def make_block(cfg: RecurrentTransformerConfig) -> nn.Module:

@@ -40,22 +40,28 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ops import linear_cross_entropy
-from pipeline.config import RecurTraceConfig
-from pipeline.model.fp32_linear import FP32Linear, autocast_off
-from pipeline.model.layers import (MLP, KVCache, LayerNorm, at_step, block_flops_per_token, cache_slot,
-                                   causal_attention, copy_full, head_flops_per_token, head_output, init_gpt2_weights)
+from pipeline.model.configs import RecurTraceConfig
+from pipeline.model.fp32_linear import FP32Linear
+from pipeline.model.fp32_linear import autocast_off
+from pipeline.model.layers import MLP
+from pipeline.model.layers import KVCache
+from pipeline.model.layers import LayerNorm
+from pipeline.model.layers import acc_dtype
+from pipeline.model.layers import at_step
+from pipeline.model.layers import block_flops_per_token
+from pipeline.model.layers import cache_slot
+from pipeline.model.layers import causal_attention
+from pipeline.model.layers import copy_full
+from pipeline.model.layers import head_flops_per_token
+from pipeline.model.layers import head_output
+from pipeline.model.layers import init_gpt2_weights
 from pipeline.model.recurrent import RecurrentLM
-
 
 _ROWS_BYTES = 1 << 26  # fp32 scores of one chunk of query rows in the union attention (64 MiB)
 
 
-def _acc(dtype: torch.dtype) -> torch.dtype:
-    return torch.promote_types(dtype, torch.float32)  # fp32, fp64 kept
-
-
 def _up(t: torch.Tensor) -> torch.Tensor:
-    return t.to(_acc(t.dtype))
+    return t.to(acc_dtype(t.dtype))
 
 
 class _UnionAttention(torch.autograd.Function):
@@ -75,8 +81,8 @@ class _UnionAttention(torch.autograd.Function):
         with autocast_off(q.device):
             B, H, T, hd = q.shape
             # [B, T, H, hd] underneath: the caller's transpose back to [B, T, C] is then a view, not a second copy
-            out = q.new_empty(B, T, H, hd, dtype=_acc(q.dtype)).transpose(1, 2)
-            lse = q.new_empty(B, H, T, dtype=_acc(q.dtype))
+            out = q.new_empty(B, T, H, hd, dtype=acc_dtype(q.dtype)).transpose(1, 2)
+            lse = q.new_empty(B, H, T, dtype=acc_dtype(q.dtype))
             k32, v32 = _up(k), _up(v)
             for a, b, s, sl in _union_scores(scale, allowed, q, k32, mk):
                 m = torch.maximum(s.amax(-1), sl.amax(-1))  # finite: each query sees its own position
@@ -218,7 +224,6 @@ def oracle_targets(losses: torch.Tensor) -> torch.Tensor:
 
 
 class RecurTrace(RecurrentLM):
-    config_class = RecurTraceConfig
 
     def __init__(self, cfg: RecurTraceConfig):
         super().__init__(cfg, LoopStep(cfg))

@@ -1,39 +1,49 @@
-"""Models by ``model.type``. A new architecture is one new file plus one line here."""
+"""Models by ``model.type``. A new architecture is one new file plus one line here and its config in configs.py."""
 from __future__ import annotations
 
-from pipeline.config import (GPTConfig, GRTConfig, ModelConfig, MoRConfig, OuroConfig, PoissonConfig, RecurrentTransformerConfig,
-                             RecurTraceConfig, RRTConfig)
+from typing import TYPE_CHECKING
 
-# type -> (config class, "module:Class"). Classes are imported lazily so that reading a recipe needs no torch.
-_MODELS: dict[str, tuple[type, str]] = {
-    "gpt": (GPTConfig, "pipeline.model.gpt:GPT"),
-    "grt": (GRTConfig, "pipeline.model.grt:GRT"),
+from pipeline.model.configs import MODEL_CONFIGS
+from pipeline.model.configs import ModelConfig
+
+if TYPE_CHECKING:
+    from pipeline.model.interface import LanguageModel
+
+# type -> "module:Class"; each type's config class is pipeline.model.configs.MODEL_CONFIGS. Classes are imported
+# lazily so that reading a recipe needs no torch.
+_MODELS: dict[str, str] = {
+    "gpt": "pipeline.model.gpt:GPT",
+    "grt": "pipeline.model.grt:GRT",
     # the paper's recurrent competitors (Table 1, Table 8)
-    "poisson": (PoissonConfig, "pipeline.model.poisson:PoissonDepth"),
-    "mor": (MoRConfig, "pipeline.model.mor:MoR"),
-    "rrt": (RRTConfig, "pipeline.model.rrt:RRT"),
-    "ouro": (OuroConfig, "pipeline.model.ouro:Ouro"),
+    "poisson": "pipeline.model.poisson:PoissonDepth",
+    "mor": "pipeline.model.mor:MoR",
+    "rrt": "pipeline.model.rrt:RRT",
+    "ouro": "pipeline.model.ouro:Ouro",
     # the companion abstracts' systems
-    "recurrent_transformer": (RecurrentTransformerConfig, "pipeline.model.recurrent_transformer:RecurrentTransformer"),
-    "recurtrace": (RecurTraceConfig, "pipeline.model.recurtrace:RecurTrace"),
+    "recurrent_transformer": "pipeline.model.recurrent_transformer:RecurrentTransformer",
+    "recurtrace": "pipeline.model.recurtrace:RecurTrace",
 }
-NOISY_TYPES = ("grt", "poisson")  # trained with noise (GRT's state and gate noise, Poisson's random start), evaluated without
-MODEL_CONFIGS: dict[str, type] = {name: cls for name, (cls, _) in _MODELS.items()}
+if set(_MODELS) != set(MODEL_CONFIGS):  # a type with a config but no model (or the reverse) fails at import
+    raise ImportError(f"pipeline.model.registry and pipeline.model.configs.MODEL_CONFIGS name different model types: "
+                      f"{sorted(set(_MODELS) ^ set(MODEL_CONFIGS))}")
+# trained with noise (GRT's state and gate noise, Poisson's random start), evaluated without
+NOISY_TYPES = ("grt", "poisson")
 
 
-def model_class(model_type: str):
+def model_class(model_type: str) -> type[LanguageModel]:
+    """The model class of ``model_type``: a :class:`~pipeline.model.interface.LanguageModel`."""
     import importlib
 
     if model_type not in _MODELS:
         raise KeyError(f"model.type={model_type!r} is not registered; known: {sorted(_MODELS)}")
-    module, cls = _MODELS[model_type][1].split(":")
+    module, cls = _MODELS[model_type].split(":")
     return getattr(importlib.import_module(module), cls)
 
 
 def exits_are_layers(model_type: str) -> bool:
     """Whether the model's depth is an exit layer of a stack run once (dense-style: gpt, recurrent_transformer)
     rather than a recurrence/recursion/loop count."""
-    return getattr(model_class(model_type), "exits_are_layers", False)
+    return model_class(model_type).exits_are_layers
 
 
 def build_model(cfg: ModelConfig, device=None, seed: int | None = None):
@@ -74,6 +84,6 @@ def model_info(cfg: ModelConfig) -> dict:
     info["executed_flops_per_token"] = cls.flops_per_token(cfg, executed=True)  # after the exact step savings
     info["seq_len"] = cfg.block_size
     # how the method's real cost differs from the Eq. 1 figure above (capacities, extra heads, sampled depth, ...)
-    info["flops_notes"] = cls.flops_notes(cfg) if hasattr(cls, "flops_notes") else []
+    info["flops_notes"] = cls.flops_notes(cfg)
     info["d_model"] = cfg.d_model
     return info

@@ -21,11 +21,20 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from pipeline.config import RRTConfig
+from pipeline.model.configs import RRTConfig
+from pipeline.model.layers import KVCache
+from pipeline.model.layers import KVCacheAtStep
+from pipeline.model.layers import KVSlot
+from pipeline.model.layers import LayerNorm
+from pipeline.model.layers import at_step
+from pipeline.model.layers import block_flops_per_token
+from pipeline.model.layers import cache_slot
+from pipeline.model.layers import causal_attention
+from pipeline.model.layers import copy_full
+from pipeline.model.layers import head_flops_per_token
+from pipeline.model.layers import head_output
+from pipeline.model.layers import init_gpt2_weights
 from pipeline.model.recurrent import RecurrentLM
-from pipeline.model.layers import (Block, KVCache, KVCacheAtStep, KVSlot, LayerNorm, at_step,
-                                   block_flops_per_token, cache_slot, causal_attention, copy_full,
-                                   head_flops_per_token, head_output, init_gpt2_weights)
 
 
 class LoRALinear(nn.Linear):
@@ -103,7 +112,7 @@ class RRTBlock(nn.Module):
         return x + self.mlp(self.ln_2(x), r)
 
 
-class Recursion(nn.Module):
+class RRTRecursion(nn.Module):
     """One recursion h <- core_r(h): the shared blocks with recursion r's LoRAs. One module call per recursion, the
     index an explicit int argument, so checkpointing, FSDP and compile wrap exactly one recursion."""
 
@@ -118,10 +127,9 @@ class Recursion(nn.Module):
 
 
 class RRT(RecurrentLM):
-    config_class = RRTConfig
 
     def __init__(self, cfg: RRTConfig):
-        super().__init__(cfg, Recursion(cfg))
+        super().__init__(cfg, RRTRecursion(cfg))
 
     def init_weights(self, seed: int, assign=copy_full) -> None:
         """GPT-2 init, each parameter from its own generator seeded by (seed, name); residual projections scaled by

@@ -6,8 +6,8 @@ At most ``2N + 2`` batches are in flight, which bounds memory whatever the input
 completed, the job's state (input position, counters, the open shards, new dedup hashes) is saved under
 ``DATASET/.progress``; a killed job started again continues from there and writes byte-identical output.
 
-A job holds the dataset folder's lock (``DATASET/.lock``, :mod:`pipeline.locking`) from before it reads or deletes
-anything there until the manifest is written: a second job on the same folder fails at once naming the holder.
+A job holds the dataset folder's lock (``DATASET/.lock``, :mod:`pipeline.runtime.locking`) from before it reads or
+deletes anything there until the manifest is written: a second job on the same folder fails at once naming the holder.
 """
 from __future__ import annotations
 
@@ -19,22 +19,43 @@ import shutil
 import signal
 import sys
 import time
-from collections import Counter, deque
-from concurrent.futures import Future, ProcessPoolExecutor
+from collections import Counter
+from collections import deque
+from concurrent.futures import Future
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Iterator
 
 import numpy as np
 from tqdm import tqdm
 
-from pipeline.config import DataConfig, RecipeError, SourceConfig, config_hash
-from pipeline.locking import FALLBACK_FILE, LOCK_FILE, FolderLock, FolderLockedError
+from pipeline.config import DataConfig
+from pipeline.config import RecipeError
+from pipeline.config import SourceConfig
+from pipeline.config import config_hash
+from pipeline.runtime.locking import FALLBACK_FILE
+from pipeline.runtime.locking import LOCK_FILE
+from pipeline.runtime.locking import FolderLock
+from pipeline.runtime.locking import FolderLockedError
 from pipeline.tokenize.bpe import tokenizer_identity
 from pipeline.tokenize.dedup import HashSet64
-from pipeline.tokenize.sources import SKIP_REASONS, DamagedInputError, Record, Unit, plan_units, read_unit
-from pipeline.tokenize.worker import BLANK, DOC, BatchResult, init_worker, process_batch
-from pipeline.tokenize.writer import (FORMAT_VERSION, MANIFEST, ShardWriter, atomic_write, manifest_problems,
-                                      write_manifest)
+from pipeline.tokenize.sources import SKIP_REASONS
+from pipeline.tokenize.sources import DamagedInputError
+from pipeline.tokenize.sources import Record
+from pipeline.tokenize.sources import Unit
+from pipeline.tokenize.sources import plan_units
+from pipeline.tokenize.sources import read_unit
+from pipeline.tokenize.worker import BLANK
+from pipeline.tokenize.worker import DOC
+from pipeline.tokenize.worker import BatchResult
+from pipeline.tokenize.worker import init_worker
+from pipeline.tokenize.worker import process_batch
+from pipeline.tokenize.writer import FORMAT_VERSION
+from pipeline.tokenize.writer import MANIFEST
+from pipeline.tokenize.writer import ShardWriter
+from pipeline.tokenize.writer import atomic_write
+from pipeline.tokenize.writer import manifest_problems
+from pipeline.tokenize.writer import write_manifest
 
 BATCH_BYTES = 1 << 20  # raw bytes per batch handed to a worker
 BATCH_RECORDS = 4096

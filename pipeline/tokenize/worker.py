@@ -8,13 +8,16 @@ import signal
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from dataclasses import field
 
 import numpy as np
 
-from pipeline.locking import forked_child_cleanup
+from pipeline.runtime.locking import forked_child_cleanup
 from pipeline.tokenize.bpe import gpt2_encoding
-from pipeline.tokenize.sources import SKIP_REASONS, parse_record, record_fields
+from pipeline.tokenize.sources import SKIP_REASONS
+from pipeline.tokenize.sources import parse_record
+from pipeline.tokenize.sources import record_fields
 
 BLANK = -1  # a record with no document (blank JSON line): neither counted nor kept
 DOC = 0  # kinds 1.. are 1 + the index of the skip reason in SKIP_REASONS

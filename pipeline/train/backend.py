@@ -25,8 +25,14 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from pipeline.config import TrainConfig
-from pipeline.train.checkpoint import SHARDS_DIR, checkpoint_format_of, verify_checkpoint, write_index
-from pipeline.train.peers import Heartbeat, compare_job, rank_list, where
+from pipeline.train.checkpoint import SHARDS_DIR
+from pipeline.train.checkpoint import checkpoint_format_of
+from pipeline.train.checkpoint import verify_checkpoint
+from pipeline.train.checkpoint import write_index
+from pipeline.train.peers import Heartbeat
+from pipeline.train.peers import compare_job
+from pipeline.train.peers import rank_list
+from pipeline.train.peers import where
 
 
 def pick_device(name: str, local_rank: int = 0) -> torch.device:
@@ -172,7 +178,8 @@ class SingleProcess:
         """Called on every rank. Returns a future while an async save is still writing, else None."""
         fmt = self.cfg.resolved_checkpoint_format()
         if fmt == "full":
-            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+            from torch.distributed.checkpoint.state_dict import StateDictOptions
+            from torch.distributed.checkpoint.state_dict import get_state_dict
 
             msd, osd = get_state_dict(self.unwrap(model), optimizer,
                                       options=StateDictOptions(full_state_dict=True, cpu_offload=True))
@@ -216,7 +223,8 @@ class SingleProcess:
                 os.fsync(f.fileno())
 
     def load_model_optimizer(self, model, optimizer, folder: Path, state: dict) -> None:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
+        from torch.distributed.checkpoint.state_dict import set_state_dict
 
         fmt = checkpoint_format_of(folder, state)
         if fmt == "deepspeed":
@@ -231,7 +239,8 @@ class SingleProcess:
             # mapped, see load_checkpoint) copy, so a node of 8 ranks does not hold 8 copies of model + optimizer
             broadcast = dist.is_initialized() and self.world_size > 1
             mine = not broadcast or self.is_main
-            from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+            from torch.distributed.checkpoint.state_dict import set_model_state_dict
+            from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
             # two calls, not set_state_dict: given an empty model dict it would skip the model on ranks > 0 and
             # leave rank 0 alone in the model's broadcast
@@ -256,7 +265,7 @@ class TorchDistributed(SingleProcess):
     def __init__(self, cfg: TrainConfig):
         if "RANK" not in os.environ:
             raise RuntimeError(f"train.backend={cfg.backend} needs a launcher: run it under `{self.launch_hint}` "
-                               f"(see README: Distributed training)")
+                               f"(see docs/distributed.md)")
         self.cfg = cfg
         self.rank, self.world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         self.local_rank = int(os.environ.get("LOCAL_RANK", 0))
@@ -452,7 +461,7 @@ class DeepSpeed(TorchDistributed):
 
     def ds_config(self) -> dict:
         """The DeepSpeed config generated from the recipe; ``train.deepspeed`` is merged over it (escape hatch)."""
-        from pipeline.config import deep_merge
+        from pipeline.config.recipe_files import deep_merge
 
         c = self.cfg
         bf16 = self.amp_dtype == torch.bfloat16

@@ -1,4 +1,7 @@
-"""Optional concerns of training, as callbacks: the console step line and the tracker (MLflow)."""
+"""Optional concerns of training, as callbacks: the console step line and the tracker (MLflow); the test fault
+hooks (:class:`pipeline.train.faults.FaultInjection`). The save hooks are called by :mod:`pipeline.train.checkpointer`
+around each save: started (its staging folder made), written (this rank's files, or their background write, under
+way) and ended (published, or failed)."""
 from __future__ import annotations
 
 import json
@@ -7,9 +10,21 @@ from pathlib import Path
 
 
 class Callback:
+    """The loop's hooks, in the order they run; each does nothing here."""
+
     def on_train_start(self, trainer) -> None: ...
+
+    def on_loss(self, trainer, loss):
+        """Each micro-step's loss before its backward: returned as it is, or replaced (the fault hooks' NaN)."""
+        return loss
+
     def on_step_end(self, trainer, metrics: dict) -> None: ...
+    def on_step_checked(self, trainer, metrics: dict) -> None:
+        """After every callback's on_step_end and the non-finite-steps check, before the stop-signal agreement."""
     def on_eval(self, trainer, metrics: dict) -> None: ...
+    def on_save_start(self, trainer, step: int, staging: Path) -> None: ...
+    def on_save_written(self, trainer, step: int) -> None: ...
+    def on_save_end(self, trainer) -> None: ...
     def on_checkpoint(self, trainer, path, info: dict) -> None: ...
     def on_train_end(self, trainer, status: str) -> None: ...
 

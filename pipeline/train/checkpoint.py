@@ -4,7 +4,8 @@
 ``keep`` are kept. A job killed while saving leaves only the temporary folder, which is ignored: the previous
 checkpoint stays loadable. ``index.json`` is written last: the size and sha256 of every other file of the checkpoint.
 Resume and eval verify it, so a truncated or altered file (or a folder without its index) is never loaded: training
-moves a damaged checkpoint aside (``damaged_step_...``) and falls back to the newest intact one; eval refuses it. Formats (``state.pt``'s ``checkpoint_format``): ``full`` (model and optimizer inside state.pt), ``sharded``
+moves a damaged checkpoint aside (``damaged_step_...``) and falls back to the newest intact one; eval refuses it.
+Formats (``state.pt``'s ``checkpoint_format``): ``full`` (model and optimizer inside state.pt), ``sharded``
 (torch.distributed.checkpoint shards in ``model_optim/``), ``deepspeed`` (DeepSpeed's own files in ``deepspeed/``);
 an export of ``grt checkpoint convert --to safetensors`` is a folder with ``model.safetensors`` and ``recipe.yaml``.
 """
@@ -201,8 +202,8 @@ def write_index(folder: Path) -> dict:
         paths = _files_of(folder)
     else:
         raise FileNotFoundError(f"{folder}: files the other ranks wrote and hashed are not visible here "
-                                f"({', '.join(sorted(unseen)[:5])}): the checkpoint folder must be on a filesystem every "
-                                f"rank shares")
+                                f"({', '.join(sorted(unseen)[:5])}): the checkpoint folder must be on a filesystem "
+                                f"every rank shares")
     todo = [f for f in paths if known.get(f.relative_to(folder).as_posix(), {}).get("bytes") != f.stat().st_size]
     for f, (sha, size) in zip(todo, _parallel(lambda f: _sha256_and_size(f, sync=True), todo)):
         known[f.relative_to(folder).as_posix()] = {"bytes": size, "sha256": sha}
@@ -306,7 +307,8 @@ def needs_index(folder: Path) -> bool:
 
 
 def check_intact(folder: Path, checksums: bool = True) -> None:
-    """Raise :class:`DamagedCheckpointError` naming the checkpoint, what is wrong and the newest intact one beside it."""
+    """Raise :class:`DamagedCheckpointError` naming the checkpoint, what is wrong and the newest intact
+    one beside it."""
     problems = verify_checkpoint(folder, checksums) if needs_index(folder) else []
     if not problems:
         return
@@ -428,7 +430,7 @@ def tied_names(recipe: dict) -> dict[str, str]:
     from pipeline.config import from_dict
     from pipeline.model import build_model
 
-    model = build_model(from_dict(recipe, "checkpoint recipe").model, device="meta")
+    model = build_model(from_dict(recipe, "checkpoint recipe", saved=True).model, device="meta")
     first: dict[int, str] = {}
     out = {}
     for name, p in model.named_parameters(remove_duplicate=False):

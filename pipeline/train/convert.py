@@ -9,7 +9,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from pipeline.out_folder import check_replaceable
+from pipeline.runtime.out_folder import check_replaceable
 
 MARKER = "grt_convert.json"  # marks a folder this command wrote (and may replace)
 
@@ -25,7 +25,10 @@ def default_out(ckpt_file: Path, state: dict, to: str) -> Path:
 def convert(path: str | Path, to: str, out: str | Path | None = None) -> Path:
     """Write the checkpoint at ``path`` as ``to`` (full: state.pt with model and, where the source has it in torch
     form, optimizer; safetensors: the model weights + the recipe as metadata). Returns the output folder."""
-    from pipeline.train.checkpoint import checkpoint_format_of, full_model_state, load_checkpoint, resolve_checkpoint
+    from pipeline.train.checkpoint import checkpoint_format_of
+    from pipeline.train.checkpoint import full_model_state
+    from pipeline.train.checkpoint import load_checkpoint
+    from pipeline.train.checkpoint import resolve_checkpoint
 
     if to not in ("full", "safetensors"):
         raise ValueError(f"--to {to!r}: choose full or safetensors")
@@ -56,7 +59,11 @@ def _write(tmp: Path, to: str, ckpt: Path, state: dict, model: dict, meta: dict)
     import torch
     import yaml
 
-    from pipeline.train.checkpoint import SAFETENSORS, SAFETENSORS_META, full_optimizer_state, tied_names, write_index
+    from pipeline.train.checkpoint import SAFETENSORS
+    from pipeline.train.checkpoint import SAFETENSORS_META
+    from pipeline.train.checkpoint import full_optimizer_state
+    from pipeline.train.checkpoint import tied_names
+    from pipeline.train.checkpoint import write_index
 
     if to == "full":
         optimizer = full_optimizer_state(ckpt, state)
@@ -84,8 +91,13 @@ def cmd_convert(args) -> int:
 
 def cmd_verify(args) -> int:
     """Every checkpoint of a run (or one checkpoint folder) against its integrity index: exit 1 if any is damaged."""
-    from pipeline.train.checkpoint import (INDEX, check_loadable, list_checkpoints, not_a_checkpoint, set_aside_names,
-                                           verify_checkpoint, write_index)
+    from pipeline.train.checkpoint import INDEX
+    from pipeline.train.checkpoint import check_loadable
+    from pipeline.train.checkpoint import list_checkpoints
+    from pipeline.train.checkpoint import not_a_checkpoint
+    from pipeline.train.checkpoint import set_aside_names
+    from pipeline.train.checkpoint import verify_checkpoint
+    from pipeline.train.checkpoint import write_index
 
     p = Path(args.path)
     if p.is_file() and p.suffix in (".yaml", ".yml"):

@@ -13,7 +13,10 @@ from typing import Iterator
 import numpy as np
 import torch
 
-from pipeline.tokenize.writer import bad_ids_text, read_manifest, scan_shard, shard_size_problem
+from pipeline.tokenize.writer import bad_ids_text
+from pipeline.tokenize.writer import read_manifest
+from pipeline.tokenize.writer import scan_shard
+from pipeline.tokenize.writer import shard_size_problem
 
 LOADER_STATE_VERSION = 2
 

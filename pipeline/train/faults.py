@@ -1,6 +1,8 @@
 """Testing hooks, set by environment variables (GRT_FAULT_*), that make the trainer fail the way real jobs do at a
 chosen point: a rank killed, a signal, a slow or full disk during a save, non-finite losses. Read once at import;
-the tests set them in the environment of the processes they start (or monkeypatch this module's constants)."""
+the tests set them in the environment of the processes they start (or monkeypatch this module's constants before
+the trainer is built). The trainer adds the :class:`FaultInjection` callback only when one is set (:func:`requested`).
+"""
 from __future__ import annotations
 
 import builtins
@@ -13,6 +15,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from pipeline.train.callbacks import Callback
 
 # Testing hooks: every rank (or only GRT_FAULT_KILL_RANK) SIGKILLs itself right after logging this step.
 FAULT_KILL_AT_STEP = int(os.environ.get("GRT_FAULT_KILL_AT_STEP", "0") or 0)
@@ -116,3 +120,51 @@ class _FillingFile:
 
 # ... or make the loss of these steps NaN (comma-separated), to exercise the non-finite path
 FAULT_NAN_STEPS = {int(x) for x in os.environ.get("GRT_FAULT_NAN_STEPS", "").split(",") if x.strip()}
+
+
+def requested() -> bool:
+    """Whether any fault is set (step 0, the default, never comes: the first step the loop sees is 1)."""
+    return bool(FAULT_KILL_AT_STEP or FAULT_RAISE_AT_STEP[0] or FAULT_KILL_IN_SAVE or FAULT_SIGNAL_AT_STEP[0]
+                or FAULT_SLOW_SAVE_S or FAULT_DISK_FULL[0] or FAULT_NAN_STEPS)
+
+
+class FaultInjection(Callback):
+    """The hooks above, at their points of the loop: the loss of a micro-step, the end of a step (after the other
+    callbacks have logged it and the non-finite-steps check), and a save (its staging folder, its first write, the
+    moment its files are written)."""
+
+    def __init__(self):
+        self._filling_disk = None  # the GRT_FAULT_DISK_FULL hook while its save is in flight
+        self._slowed = None
+
+    def on_loss(self, trainer, loss):
+        return loss * float("nan") if trainer.step + 1 in FAULT_NAN_STEPS else loss
+
+    def on_step_checked(self, trainer, metrics: dict) -> None:
+        step, rank = trainer.step, trainer.backend.rank
+        if step == FAULT_KILL_AT_STEP and FAULT_KILL_RANK in (None, rank):
+            os.kill(os.getpid(), FAULT_KILL_SIGNAL)  # `kill -9`
+        raise_at_step(step, rank)
+        if step == FAULT_SIGNAL_AT_STEP[0] and rank == 0:
+            os.kill(os.getpid(), FAULT_SIGNAL_AT_STEP[1])  # the tests' Ctrl-C / SIGTERM at a known step
+
+    def on_save_start(self, trainer, step: int, staging: Path) -> None:
+        if step == FAULT_DISK_FULL[0] and FAULT_DISK_FULL[2] in (None, trainer.backend.rank):
+            self._filling_disk = FillingDisk(staging, FAULT_DISK_FULL[1]).__enter__()  # left by on_save_end
+        self._slowed = slowed_first_write(FAULT_SLOW_SAVE_S if trainer.backend.is_main else 0)
+        self._slowed.__enter__()
+
+    def on_save_written(self, trainer, step: int) -> None:
+        if self._slowed is not None:
+            self._slowed.__exit__(None, None, None)
+            self._slowed = None
+        if step == FAULT_KILL_IN_SAVE:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def on_save_end(self, trainer) -> None:
+        if self._filling_disk is not None:
+            self._filling_disk.__exit__()
+            self._filling_disk = None
+
+    def on_train_end(self, trainer, status: str) -> None:
+        self.on_save_end(trainer)

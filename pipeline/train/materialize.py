@@ -17,7 +17,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from pipeline.config import RunConfig
-from pipeline.model import build_model, model_class
+from pipeline.model import build_model
+from pipeline.model import model_class
 from pipeline.model.layers import copy_full
 from pipeline.train.parallelize import parallelize
 
@@ -26,7 +27,8 @@ def assign_local(param: nn.Parameter, make) -> None:
     """Write one parameter's initial value ``make(full_shape)`` keeping only this rank's part: the local shard of an
     FSDP2 DTensor, the partition of a ZeRO-3 parameter (gathered, written on rank 0, re-partitioned on exit), or the
     whole of a plain tensor. At most one full parameter exists at a time."""
-    from torch.distributed.tensor import DTensor, distribute_tensor
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import distribute_tensor
 
     if isinstance(param, DTensor):
         # src_data_rank=None: every rank made the same full value, so each slices its own shard (no communication)

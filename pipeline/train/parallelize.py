@@ -1,8 +1,10 @@
 """Parallelism applied to a built model from the outside (the model files know nothing of it): activation
-checkpointing, torch.compile and FSDP2 sharding, per block. Every recurrent model exposes the same parts: ``prelude``
-and ``coda`` blocks, and ``recur``, one recurrence step as a module with its looped blocks in ``recur.blocks``. The recurrent core is checkpointed per recurrence step and its blocks
-stay gathered through the forward (``reshard_after_forward=False``) and the backward (:func:`gathered_through_backward`),
-so the looped core is all-gathered once per micro-step, not once per recurrence step."""
+checkpointing, torch.compile and FSDP2 sharding, per block. Every recurrent model exposes the same parts
+(:class:`pipeline.model.interface.LanguageModel`): ``prelude`` and ``coda`` blocks, and ``recurrent_core()``, one
+recurrence step as a module with its looped blocks in ``.blocks``. The recurrent core is checkpointed per recurrence
+step and its blocks stay gathered through the forward (``reshard_after_forward=False``) and the backward
+(:func:`gathered_through_backward`), so the looped core is all-gathered once per micro-step, not once per recurrence
+step."""
 from __future__ import annotations
 
 import contextlib
@@ -12,6 +14,7 @@ import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
 from pipeline.config import TrainConfig
+from pipeline.model.interface import LanguageModel
 
 
 def checkpoint_module(module: nn.Module) -> None:
@@ -28,28 +31,30 @@ def checkpoint_module(module: nn.Module) -> None:
     module.forward = forward
 
 
-def blocks_of(model: nn.Module) -> dict[str, list[nn.Module]]:
+def blocks_of(model: LanguageModel) -> dict[str, list[nn.Module]]:
     """The model's blocks by role; GPT has only ``layers``."""
-    if hasattr(model, "recur"):
-        return {"prelude": list(model.prelude), "core": list(model.recur.blocks), "coda": list(model.coda)}
+    core = model.recurrent_core()
+    if core is not None:
+        return {"prelude": list(model.prelude), "core": list(core.blocks), "coda": list(model.coda)}
     return {"layers": list(model.blocks)}
 
 
-def apply_activation_checkpointing(model: nn.Module, mode: str) -> None:
+def apply_activation_checkpointing(model: LanguageModel, mode: str) -> None:
     if mode == "none":
         return
     if mode == "core_step":
-        if not hasattr(model, "recur"):
+        core = model.recurrent_core()
+        if core is None:
             raise ValueError("train.activation_checkpointing=core_step needs a recurrent model; use 'blocks' for "
-                             f"model.type={getattr(model.cfg, 'type', '?')}")
-        checkpoint_module(model.recur)  # W_proj + core + gate: one recurrence step
+                             f"model.type={model.cfg.type}")
+        checkpoint_module(core)  # W_proj + core + gate: one recurrence step
         return
     for blocks in blocks_of(model).values():
         for block in blocks:
             checkpoint_module(block)
 
 
-def apply_fsdp(model: nn.Module, amp_dtype: torch.dtype) -> None:
+def apply_fsdp(model: LanguageModel, amp_dtype: torch.dtype) -> None:
     """FSDP2 per block, then the recurrence step, then the root, with the precision of single and DDP (fp32
     parameters under autocast). The blocks and the step are gathered in ``amp_dtype`` (half the all-gather bytes;
     autocast casts their matmul weights to it anyway), but FSDP casts no module's inputs (``cast_forward_inputs=
@@ -59,7 +64,8 @@ def apply_fsdp(model: nn.Module, amp_dtype: torch.dtype) -> None:
     keeps fp32 parameters: the stream starts from the fp32 embedding as under DDP, and the embedding's gradient (the
     rows of every token plus the head's) accumulates in fp32. The cost: the root is gathered in fp32 (it stays
     gathered from the forward to its backward), 2 more bytes per root parameter than a bf16 gather."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    from torch.distributed.fsdp import fully_shard
 
     mp = MixedPrecisionPolicy(param_dtype=amp_dtype if amp_dtype != torch.float32 else None,
                               reduce_dtype=torch.float32, cast_forward_inputs=False)
@@ -67,14 +73,15 @@ def apply_fsdp(model: nn.Module, amp_dtype: torch.dtype) -> None:
         for block in blocks:
             # the shared core runs R times per forward: keep it gathered between its calls
             fully_shard(block, mp_policy=mp, reshard_after_forward=role != "core")
-    if hasattr(model, "recur"):
-        fully_shard(model.recur, mp_policy=mp, reshard_after_forward=False)  # W_proj and the gate
+    if model.recurrent_core() is not None:
+        fully_shard(model.recurrent_core(), mp_policy=mp, reshard_after_forward=False)  # W_proj and the gate
     fully_shard(model, mp_policy=MixedPrecisionPolicy(cast_forward_inputs=False))  # fp32: see above
 
 
-def looped_modules(model: nn.Module) -> list[nn.Module]:
+def looped_modules(model: LanguageModel) -> list[nn.Module]:
     """The FSDP2 units that run R times per forward: the looped core's blocks and the recurrence step."""
-    return [*model.recur.blocks, model.recur] if hasattr(model, "recur") else []
+    core = model.recurrent_core()
+    return [*core.blocks, core] if core is not None else []
 
 
 @contextlib.contextmanager
@@ -93,29 +100,30 @@ def gathered_through_backward(modules: list[nn.Module]):
             m.reshard()
 
 
-def compile_targets(model: nn.Module) -> list[nn.Module]:
+def compile_targets(model: LanguageModel) -> list[nn.Module]:
     """What ``train.compile`` compiles: each prelude/coda block and the recurrence step as a whole (GRT), each
     layer (dense). The loop over r stays eager, so a new depth r reuses the step's compiled graphs."""
-    if hasattr(model, "recur"):
-        return [*model.prelude, model.recur, *model.coda]
+    core = model.recurrent_core()
+    if core is not None:
+        return [*model.prelude, core, *model.coda]
     # a block that runs its positions one after another in Python (the Recurrent Transformer's self-KV attention)
     # would be unrolled over every position by dynamo: its per-position MLP is compiled, the loop stays eager
-    return [b.mlp if getattr(b, "positions_in_order", False) else b for b in model.blocks]
+    return [b.mlp if b.positions_in_order else b for b in model.blocks]
 
 
-def apply_compile(model: nn.Module, backend: str = "inductor") -> None:
+def apply_compile(model: LanguageModel, backend: str = "inductor") -> None:
     import torch._dynamo
 
     # A step that takes its recursion index (MoR's router and capacity, RRT's LoRA) compiles one graph per index and
     # mode (training, evaluation, MoR's threshold routing): raise dynamo's recompile limit (8 in torch 2.13) above
     # that, or the recursions past the limit would silently run uncompiled.
-    depth = getattr(model.cfg, "n_recurrence", 0)
+    depth = type(model).recurrence_depth(model.cfg) or 0
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 3 * depth + 2)
     for module in compile_targets(model):
         module.compile(backend=backend)
 
 
-def parallelize(model: nn.Module, cfg: TrainConfig, amp_dtype: torch.dtype, device: torch.device) -> nn.Module:
+def parallelize(model: LanguageModel, cfg: TrainConfig, amp_dtype: torch.dtype, device: torch.device) -> nn.Module:
     """torchtitan's order: activation checkpointing, then compile, then FSDP."""
     model.to(device)
     apply_activation_checkpointing(model, cfg.activation_checkpointing)

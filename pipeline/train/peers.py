@@ -13,6 +13,8 @@ import threading
 import time
 from pathlib import Path
 
+from pipeline.config.recipe_files import flat
+
 # Recipe keys that may differ between the nodes of one job, so they are not compared. Everything else must be equal:
 # the model, the optimizer, the schedule, the batch, the seed and the run name decide what every rank computes.
 PER_NODE_KEYS = (
@@ -34,19 +36,6 @@ class JobMismatch(ValueError):
     """The nodes of one job were started with different recipes or code."""
 
 
-def flat(d, prefix: str = "") -> dict:
-    """``{"train.lr": 0.001, "data.mixture[0].weight": 1.0, ...}``: nested dicts and lists as dotted keys."""
-    items = d.items() if isinstance(d, dict) else ((f"[{i}]", v) for i, v in enumerate(d))
-    out = {}
-    for k, v in items:
-        key = f"{prefix}{k}" if k.startswith("[") else (f"{prefix}.{k}" if prefix else k)
-        if isinstance(v, (dict, list)) and v:
-            out.update(flat(v, key))
-        else:
-            out[key] = v
-    return out
-
-
 def compared_recipe(recipe: dict) -> dict:
     """The resolved recipe's keys that must be the same on every node (PER_NODE_KEYS, and all below them, left
     out; ``[]`` stands for any list index)."""
@@ -54,7 +43,7 @@ def compared_recipe(recipe: dict) -> dict:
         key = re.sub(r"\[\d+\]", "[]", key)
         return any(key == pat or key.startswith((pat + ".", pat + "[")) for pat in PER_NODE_KEYS)
 
-    return {k: v for k, v in flat(recipe).items() if not per_node(k)}
+    return {k: v for k, v in flat(recipe, lists=True).items() if not per_node(k)}
 
 
 def code_digest(root: Path | None = None) -> str:

@@ -1,8 +1,8 @@
 """A run folder's bookkeeping around training: the one-job lock, the checkpoint to resume (verified), one metrics
 history, what changed in the recipe, whether the run was stopped.
 
-``runs/NAME/`` is owned by one job (rank 0 holds ``.lock``, see :mod:`pipeline.locking`); ``metrics.jsonl`` holds
-one history (a resume cuts it back to the resumed step, a restart from step 0 moves the older one aside); each
+``runs/NAME/`` is owned by one job (rank 0 holds ``.lock``, see :mod:`pipeline.runtime.locking`); ``metrics.jsonl``
+holds one history (a resume cuts it back to the resumed step, a restart from step 0 moves the older one aside); each
 checkpoint keeps the recipe it was trained with and a resume lists what changed since.
 """
 from __future__ import annotations
@@ -14,8 +14,17 @@ import sys
 import time
 from pathlib import Path
 
-from pipeline.locking import FALLBACK_FILE, LOCK_FILE, FolderLock, FolderLockedError
-from pipeline.train.checkpoint import INDEX, list_checkpoints, set_aside, verify_checkpoint
+from pipeline.config.loading import with_current_keys
+from pipeline.config.recipe_files import changed_keys
+from pipeline.config.recipe_files import flat
+from pipeline.runtime.locking import FALLBACK_FILE
+from pipeline.runtime.locking import LOCK_FILE
+from pipeline.runtime.locking import FolderLock
+from pipeline.runtime.locking import FolderLockedError
+from pipeline.train.checkpoint import INDEX
+from pipeline.train.checkpoint import list_checkpoints
+from pipeline.train.checkpoint import set_aside
+from pipeline.train.checkpoint import verify_checkpoint
 
 METRICS = "metrics.jsonl"
 
@@ -136,16 +145,9 @@ def clear_stopped(run_dir: Path) -> None:
     (run_dir / STOPPED).unlink(missing_ok=True)
 
 
-def _flat(d: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in d.items():
-        key = f"{prefix}.{k}" if prefix else k
-        out.update(_flat(v, key) if isinstance(v, dict) and v else {key: v})
-    return out
-
-
 def recipe_changes(saved: dict, now: dict) -> list[str]:
-    """``key: old -> new`` for every recipe value that differs between a checkpoint and this launch."""
-    a, b = _flat(saved), _flat(now)
-    return [f"{k}: {a.get(k, '(unset)')!r} -> {b.get(k, '(unset)')!r}" for k in sorted(set(a) | set(b))
-            if a.get(k) != b.get(k)]
+    """``key: old -> new`` for every recipe value that differs between a checkpoint and this launch, both read with
+    today's keys (:func:`~pipeline.config.loading.with_current_keys`: an old run's ``train.bptt_k: 4`` is today's
+    ``model.backprop_steps: 4``, no change)."""
+    a, b = flat(with_current_keys(saved)), flat(with_current_keys(now))
+    return [f"{k}: {a.get(k, '(unset)')!r} -> {b.get(k, '(unset)')!r}" for k in changed_keys(a, b)]

@@ -1,7 +1,7 @@
 """Configuration of a Gated Recurrent Transformer exported by grt-pipeline (`grt export RUN --format hf --out DIR`).
 
 Self-contained (only ``transformers``): this file is copied next to ``modeling_grt.py`` into every exported folder.
-The fields are grt-pipeline's ``model:`` section (pipeline/config.py GRTConfig) under the same names, plus two
+The fields are grt-pipeline's ``model:`` section (pipeline/model/configs.py GRTConfig) under the same names, plus two
 inference settings: ``n_steps`` (recurrence steps run per token; None = ``n_recurrence``, the trained depth R) and
 ``kv_strategy`` (how generation caches the core's keys and values, see modeling_grt.py).
 """
@@ -10,7 +10,7 @@ from transformers import PretrainedConfig
 KV_STRATEGIES = ("full", "last", "first", "averaged")
 
 
-class GRTConfig(PretrainedConfig):
+class GRTHFConfig(PretrainedConfig):
     model_type = "grt"
     attribute_map = {"hidden_size": "d_model", "num_attention_heads": "n_head", "max_position_embeddings": "block_size"}
 

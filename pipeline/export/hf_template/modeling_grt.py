@@ -28,10 +28,12 @@ appends its compacted K/V: n_prelude + n_core + n_coda layer caches instead of n
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from transformers import GenerationMixin, PreTrainedModel
+from transformers import GenerationMixin
+from transformers import PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from .configuration_grt import KV_STRATEGIES, GRTConfig
+from .configuration_grt import KV_STRATEGIES
+from .configuration_grt import GRTHFConfig
 
 
 def attend(q, k, v, key_valid):
@@ -146,7 +148,7 @@ class GRTCache:
 
 
 class GRTForCausalLM(PreTrainedModel, GenerationMixin):
-    config_class = GRTConfig
+    config_class = GRTHFConfig
     base_model_prefix = "grt"
     main_input_name = "input_ids"
     _no_split_modules = ["Block"]

@@ -1,0 +1,274 @@
+"""Checkpointing beside the trainer: resume from the newest intact checkpoint, save (in the background with
+``train.async_checkpoint``), publish once every rank has written its part, and stop every rank together when a save
+does not fit on its disk. The format and the index on disk are :mod:`pipeline.train.checkpoint`'s; the run folder's
+bookkeeping (metrics history, stopped.json) is :mod:`pipeline.train.run_folder`'s."""
+from __future__ import annotations
+
+import dataclasses
+import shutil
+import sys
+import time
+from pathlib import Path
+
+from pipeline.config.loading import with_current_keys
+from pipeline.config.recipe_files import changed_keys
+from pipeline.runtime.exit_status import DiskFull
+from pipeline.train.checkpoint import INDEX
+from pipeline.train.checkpoint import disk_full_cause
+from pipeline.train.checkpoint import disk_full_message
+from pipeline.train.checkpoint import hash_share
+from pipeline.train.checkpoint import list_checkpoints
+from pipeline.train.checkpoint import load_checkpoint
+from pipeline.train.checkpoint import prepare_staging
+from pipeline.train.checkpoint import publish
+from pipeline.train.checkpoint import set_aside_names
+from pipeline.train.checkpoint import staging_dir
+from pipeline.train.run_folder import cut_metrics_back
+from pipeline.train.run_folder import mark_stopped
+from pipeline.train.run_folder import newest_intact_checkpoint
+from pipeline.train.run_folder import recipe_changes
+from pipeline.train.run_folder import start_fresh_metrics
+
+
+def model_config_diff(saved_recipe: dict, now: dict) -> list[str]:
+    """``model.KEY: checkpoint A != recipe B`` for each model value of the checkpoint's whole recipe (read with
+    today's keys: an old run's ``train.bptt_k`` is its ``model.backprop_steps``) that differs from ``now``, this
+    launch's model section."""
+    saved = with_current_keys(saved_recipe).get("model") or {}
+    return [f"model.{k}: checkpoint {saved.get(k)!r} != recipe {now.get(k)!r}" for k in changed_keys(saved, now)]
+
+
+def attempt(fn, *args) -> tuple:
+    """``(fn(*args), None)``, or ``(None, what it raised)``: a failed part of a save is agreed on by every rank before
+    any acts on it. (torch.distributed.checkpoint raises CheckpointException, a BaseException.)"""
+    try:
+        return fn(*args), None
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as e:  # noqa: BLE001
+        return None, e
+
+
+class PeakRSS:
+    """This process's peak resident memory over a stretch of code (Linux: the kernel's high-water mark, reset by
+    writing 5 to /proc/self/clear_refs; elsewhere only the RSS at the end is known)."""
+
+    def __init__(self):
+        import psutil
+
+        self._proc = psutil.Process()
+        self.before = self._proc.memory_info().rss
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+            self.exact = True
+        except OSError:
+            self.exact = False
+
+    def measure(self) -> dict:
+        peak = None
+        if self.exact:
+            with open("/proc/self/status") as f:
+                peak = next((int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:")), None)
+        peak = max(peak or 0, self._proc.memory_info().rss)
+        now = self._proc.memory_info().rss
+        return {"rss_before_mb": self.before / 2**20, "rss_peak_mb": max(peak, now) / 2**20,
+                "rss_peak_over_before_mb": (max(peak, now) - self.before) / 2**20, "rss_now_mb": now / 2**20}
+
+
+class Checkpointer:
+    """The checkpoints of one run folder (``RUN/checkpoints/step_NNNNNNNN``). Its methods take the trainer, as the
+    callbacks do: what a checkpoint holds is the trainer's (model, optimizer, loader, step counters), and a published
+    checkpoint is announced to the trainer's callbacks (``on_checkpoint``; the fault hooks' ``on_save_*``)."""
+
+    def __init__(self, cfg, backend):
+        self.cfg, self.backend = cfg, backend
+        self.run_dir = cfg.run_dir
+        self.dir = self.run_dir / "checkpoints"
+        self.stopped_together = False  # a full disk stopped every rank at the same agreement
+        self._pending = None  # (future or None, step, start time, PeakRSS or None, error) of the save in flight
+
+    # ------------------------------------------------------------------------------------------ where
+    def folder(self, step: int) -> Path:
+        return self.dir / f"step_{step:08d}"
+
+    def has(self, step: int) -> bool:
+        """Whether the checkpoint of ``step`` is published."""
+        return self.folder(step).is_dir()
+
+    def newest(self) -> Path | None:
+        """The newest published checkpoint (a save in flight is not published yet)."""
+        published = list_checkpoints(self.dir)
+        return published[-1] if published else None
+
+    def mark_stopped_at_newest(self, why: str, write: bool) -> tuple[int, Path | None]:
+        """(step, folder) of the newest published checkpoint, the one a relaunch resumes from (a save in flight was
+        never published); with ``write``, stopped.json says the run stopped there because of ``why`` (a few hundred
+        bytes: skipped if even those do not fit on a full disk)."""
+        newest = self.newest()
+        step = int(newest.name.split("_")[1]) if newest else 0
+        if write:
+            try:
+                mark_stopped(self.run_dir, why, step, self.cfg.train.max_steps, newest or Path("none"))
+            except OSError:
+                pass
+        return step, newest
+
+    # ------------------------------------------------------------------------------------------ resume
+    def resume(self, trainer) -> None:
+        """Load the newest intact checkpoint into the trainer (model, optimizer, loader, step counters), or start the
+        run folder's metrics afresh when there is none; refuse what cannot be resumed, saying why and what to do."""
+        if not list_checkpoints(self.dir):
+            aside = set_aside_names(self.dir)
+            if aside:  # a relaunch after "every checkpoint is damaged" must not quietly start over
+                raise ValueError(f"{self.dir} holds only checkpoints set aside as damaged ("
+                                 f"{', '.join(aside)}): nothing to resume from. Start the run over "
+                                 f"under another name=, or remove {self.dir} to train this one from scratch")
+            start_fresh_metrics(self.run_dir, self.backend.is_main)
+            return
+        if self.cfg.train.resume == "never":
+            raise FileExistsError(f"{self.run_dir} already has checkpoints and train.resume=never; choose another "
+                                  f"name= or delete {self.dir}")
+        newest, unindexed = newest_intact_checkpoint(self.dir, self.run_dir, self.backend)
+        if newest is None and unindexed:
+            raise ValueError(f"no checkpoint under {self.dir} can be verified: {len(unindexed)} have no "
+                             f"{INDEX} ({', '.join(c.name for c in unindexed)}; see the warnings). If they were "
+                             f"written by a grt before checkpoints carried an index and you trust them, `grt "
+                             f"checkpoint verify {self.run_dir} --adopt` indexes them; then run this command again")
+        if newest is None:
+            raise ValueError(f"every checkpoint under {self.dir} is damaged (each moved aside as damaged_step_*, "
+                             f"see the warnings): nothing to resume from. Start the run over under another name=, "
+                             f"or remove {self.dir} to train this one from scratch")
+        t0, rss = time.perf_counter(), PeakRSS()
+        state = load_checkpoint(newest, map_location="cpu", verify=False)
+        diff = model_config_diff(state["recipe"], dataclasses.asdict(self.cfg.model))
+        if diff:
+            raise ValueError(f"cannot resume {newest}: the model changed since it was saved ({'; '.join(diff)}). "
+                             f"Restore the recipe or start a new run under another name=")
+        self.backend.load_model_optimizer(trainer.model, trainer.optimizer, newest, state)
+        trainer.loader.load_state_dict(state["loader"])
+        trainer.step = state["step"]
+        trainer.skipped_steps = state.get("skipped_steps", 0)
+        trainer.tracker_run_id = state.get("mlflow_run_id")
+        saved_recipe = state["recipe"]
+        del state  # the checkpoint's tensors (a mapping, or whole copies) go now; what stays is the loaded state
+        self._report_resume(newest, time.perf_counter() - t0, rss)
+        if self.backend.is_main:
+            changes = recipe_changes(saved_recipe, self.cfg.to_dict())
+            if changes:
+                print(f"note: the recipe changed since the checkpoint at step {trainer.step} "
+                      f"({newest / 'recipe.yaml'}): {'; '.join(changes)}", file=sys.stderr, flush=True)
+            cut_metrics_back(self.run_dir, trainer.step)
+
+    def _report_resume(self, folder: Path, seconds: float, rss: PeakRSS) -> None:
+        """One line on rank 0: how long the load took and the host memory it took on the ranks, summed: the rise of
+        each rank's peak resident memory over the load, and of that what was only held while loading (the rest
+        stays: the optimizer state made by the load, which a fresh run makes at its first step)."""
+        import gc
+
+        gc.collect()
+        m = rss.measure()
+        be = self.backend
+        peak, transient = m["rss_peak_over_before_mb"], m["rss_peak_mb"] - m["rss_now_mb"]
+        peak_sum, transient_sum = (be.reduce_mean(v) * be.world_size for v in (peak, transient))
+        transient_max = be.reduce_max(transient)
+        if be.is_main:
+            print(f"resume: {folder} loaded in {seconds:.1f} s; host memory over the load, summed over "
+                  f"{be.world_size} rank(s): peak +{peak_sum:,.0f} MB, of which {transient_sum:,.0f} MB only while "
+                  f"loading (at most {transient_max:,.0f} MB on one rank)", flush=True)
+
+    # ------------------------------------------------------------------------------------------ save
+    def save(self, trainer) -> Path | None:
+        """Every rank takes part; rank 0 publishes the folder atomically once every rank has written its part. With
+        ``train.async_checkpoint`` the shards are written in the background and published by :meth:`poll` (returns
+        None then). A part that fails on any rank (a full disk) is agreed on by all (:meth:`_agree`)."""
+        self.finish(trainer)  # at most one save in flight
+        step, be = trainer.step, self.backend
+        t0, rss = time.perf_counter(), PeakRSS() if be.is_main else None
+        error = None
+        if be.is_main:
+            _, error = attempt(prepare_staging, self.dir, step)
+        self._agree(step, error)
+        tmp = staging_dir(self.dir, step)
+        state = {"step": step, "loader": trainer.loader.state_dict(), "recipe": self.cfg.to_dict(),
+                 "mlflow_run_id": trainer.tracker_run_id, "info": trainer.info,
+                 "skipped_steps": trainer.skipped_steps, "world_size": be.world_size}
+        for cb in trainer.callbacks:
+            cb.on_save_start(trainer, step, tmp)
+        pending, error = attempt(be.save_model_optimizer, trainer.model, trainer.optimizer, tmp, state)
+        for cb in trainer.callbacks:
+            cb.on_save_written(trainer, step)
+        self._pending = (pending, step, t0, rss, error)
+        if pending is None:
+            return self.finish(trainer)
+        return None
+
+    def poll(self, trainer) -> None:
+        """Publish an async save once every rank's background write has finished (one small collective)."""
+        if self._pending is not None and self.backend.all_true(self._pending[0].done()):
+            self.finish(trainer)
+
+    def finish(self, trainer) -> Path | None:
+        """Wait for the save in flight (if any) on every rank, then publish it."""
+        if self._pending is None:
+            return None
+        pending, step, t0, rss, error = self._pending
+        self._pending = None
+        be = self.backend
+        try:
+            if pending is not None:
+                _, error = attempt(pending.result)  # this rank's background write failed (a full disk: ENOSPC)
+            # every wait on another rank's file I/O is patient: rank 0 alone writes a full checkpoint, and a multi-GB
+            # write to network storage outlasts collective_timeout_s (and NCCL's watchdog)
+            self._agree(step, error)
+            tmp = staging_dir(self.dir, step)
+            if be.world_size > 1:  # every rank hashes a share of the files for the index (rank 0 the rest)
+                self._agree(step, attempt(hash_share, tmp, be.rank, be.world_size)[1])
+            path = self.folder(step)
+            if be.is_main:
+                path, error = attempt(publish, self.dir, step, self.cfg.to_yaml(), self.cfg.train.keep_checkpoints)
+            self._agree(step, error)
+        finally:
+            for cb in trainer.callbacks:
+                cb.on_save_end(trainer)
+        info = {"checkpoint": step, "format": self.cfg.train.resolved_checkpoint_format(),
+                "checkpoint_s": time.perf_counter() - t0}
+        if rss is not None:
+            info.update(rss.measure())
+        for cb in trainer.callbacks:
+            cb.on_checkpoint(trainer, path, info)
+        return path
+
+    def wait(self) -> None:
+        """An async save still writing when training failed: let its thread finish before the process groups it
+        uses are destroyed (it stays unpublished: the other ranks may not have reached it)."""
+        if self._pending is not None and self._pending[0] is not None:
+            attempt(self._pending[0].result)  # its error: the one that brought us here is the one to report
+
+    def _agree(self, step: int, error: BaseException | None) -> None:
+        """Where the save's barriers stood: every rank learns whether every rank's part of the save of ``step``
+        succeeded (one small all-reduce on the patient group). A full disk on any rank stops them all together
+        (:meth:`_stop_disk_full`); another failure is raised where it happened and named on the other ranks."""
+        code = 0 if error is None else 2 if disk_full_cause(error) is not None else 1
+        worst = self.backend.reduce_max(float(code))
+        if worst == 0:
+            return
+        if worst == 2:
+            raise self._stop_disk_full(step, disk_full_cause(error))
+        if error is not None:
+            raise error
+        raise OSError(f"another rank failed to save the checkpoint of step {step} (see its error); the checkpoints "
+                      f"before it in {self.dir} are intact")
+
+    def _stop_disk_full(self, step: int, cause: OSError | None) -> DiskFull:
+        """Every rank, once all have stopped writing the save of ``step``: rank 0 removes that save's staging folder
+        (it may hold most of what the disk had left) and writes stopped.json; the newest published checkpoint stays."""
+        if self.backend.is_main:
+            shutil.rmtree(staging_dir(self.dir, step), ignore_errors=True)
+        message = f"error: {disk_full_message(self.dir, step, cause, self.run_dir.parent)}"
+        _, newest = self.mark_stopped_at_newest("a full disk", self.backend.is_main)
+        if self.backend.is_main:
+            # said now, not by the CLI at exit: once the other ranks have exited, torchrun SIGTERMs this one
+            print(message, file=sys.stderr, flush=True)
+        self.stopped_together = True  # every rank stops here, at the same agreement
+        return DiskFull(step, newest, message, report=False)

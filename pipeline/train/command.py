@@ -1,0 +1,51 @@
+"""`grt info RECIPE` (what the recipe's model is and what a token of it costs) and `grt train RECIPE`."""
+from __future__ import annotations
+
+import json
+
+from pipeline.config.arguments import add_recipe_arguments
+from pipeline.config.arguments import recipe_of
+
+
+def register_info(sub) -> None:
+    """`grt info` (registered before `grt tokenize`, `grt train` after it: the order `grt --help` lists them in)."""
+    s = add_recipe_arguments(sub.add_parser("info", help="parameters, shorthand, block executions and FLOPs of the "
+                                                         "recipe's model"))
+    s.set_defaults(fn=cmd_info)
+    s.add_argument("--json", action="store_true", help="one JSON object")
+
+
+def register(sub) -> None:
+    s = add_recipe_arguments(sub.add_parser("train", help="train (resumes from the run folder's latest checkpoint)"))
+    s.set_defaults(fn=cmd_train)
+
+
+def cmd_info(args) -> int:
+    from pipeline.model import model_info
+
+    cfg = recipe_of(args)
+    info = model_info(cfg.model)
+    if args.json:
+        print(json.dumps(info))
+        return 0
+    print(f"{cfg.name}: {cfg.model.type} {info['shorthand']} (d={info['d_model']}, S={info['seq_len']})")
+    print(f"  unique parameters            {info['params']:>15,}  ({info['params'] / 1e6:.2f}M)")
+    print(f"  without position embeddings  {info['params_without_position']:>15,}  "
+          f"({info['params_without_position'] / 1e6:.2f}M)")
+    print(f"  block executions / forward   {info['block_executions']:>15,}")
+    print(f"  forward FLOPs/token, Eq. 1   {info['flops_per_token']:>15,}  ({info['flops_per_token'] / 1e9:.4f} G)")
+    print(f"  ... with the LM head         {info['flops_per_token_with_head']:>15,}  "
+          f"({info['flops_per_token_with_head'] / 1e9:.4f} G)")
+    if info["executed_flops_per_token"] != info["flops_per_token"]:
+        print(f"  forward FLOPs/token executed {info['executed_flops_per_token']:>15,}  "
+              f"({info['executed_flops_per_token'] / 1e9:.4f} G)")
+    for note in info["flops_notes"]:
+        print(f"  note: {note}")
+    return 0
+
+
+def cmd_train(args) -> int:
+    from pipeline.train.trainer import train
+
+    train(recipe_of(args))
+    return 0

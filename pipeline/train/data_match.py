@@ -1,0 +1,24 @@
+"""Whether a tokenized dataset can feed a recipe's model: shared by training, evaluation and the preflight."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from pipeline.tokenize.bpe import tokenizer_identity
+
+if TYPE_CHECKING:
+    from pipeline.config import RunConfig
+
+
+def check_dataset_matches_model(manifest: dict, cfg: RunConfig, where: str = "the dataset") -> None:
+    """Refuse a dataset whose tokenizer differs from the recipe's or cannot feed this model, naming both values."""
+    tok = manifest["tokenizer"]
+    want = tokenizer_identity(cfg.data.tokenizer)
+    problems = [f"{key}: dataset {tok.get(key)!r} != recipe's {cfg.data.tokenizer} tokenizer {want[key]!r}"
+                for key in ("name", "vocab_hash", "n_vocab", "eot_id") if tok.get(key) != want[key]]
+    if tok["n_vocab"] > cfg.model.vocab_size:
+        problems.append(f"vocabulary size: dataset {tok['n_vocab']} token ids > model.vocab_size="
+                        f"{cfg.model.vocab_size}")
+    if problems:
+        raise ValueError(f"{where} does not fit this recipe: " + "; ".join(problems) +
+                         ". Re-tokenize it with the recipe's tokenizer (grt tokenize RECIPE --force) or fix "
+                         "model.vocab_size / data.tokenizer.")
