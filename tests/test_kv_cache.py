@@ -121,13 +121,13 @@ class StrategyReference:
         ref, embed = self, self.model.embed
         offset = self.n_tokens
 
-        def attn_forward(module, x, kv=None, key_mask=None):
+        def attn_forward(module, x, kv=None, key_mask=None, layout=None):
             return ref.attend(per_step, module, x, key_mask, ())
 
         def rrt_attn_forward(module, x, r, kv=None):
             return ref.attend(per_step, module, x, None, (r,))
 
-        def embed_forward(module, idx, start=0):
+        def embed_forward(module, idx, start=0, layout=None):
             return module.wte(idx) + module.wpe(torch.arange(offset, offset + idx.shape[1]))
 
         patched = [m for m in self.model.modules() if isinstance(m, (CausalSelfAttention, RRTAttention))]

@@ -32,14 +32,58 @@ class ModelConfig:
     n_head: int = 12
     dropout: float = 0.0
     bias: bool = True
+    # the standard block every type builds its prelude/core/coda/layers from: gpt2 (pre-LN, learned positions, GELU
+    # MLP x4, biases) | llama (RMSNorm, rotary positions, SwiGLU, grouped-query attention, no biases: model.bias=false)
+    block: str = "gpt2"
+    n_kv_head: Optional[int] = None  # llama: key/value heads of grouped-query attention (null: n_head, plain MHA)
+    rope_theta: float = 10000.0  # llama: rotary base
+    mlp_ratio: Optional[float] = None  # llama: SwiGLU hidden size / d_model before rounding (null: 8/3)
+    mlp_multiple: int = 256  # llama: the SwiGLU hidden size is rounded up to a multiple of this (Llama: 256)
+    qk_norm: bool = False  # llama: RMSNorm on each head's q and k before the rotation (OLMo 2, Qwen 3)
+    # the embedding/head rows are vocab_size rounded up to a multiple of this (128: tensor-core friendly); the padding
+    # rows are never predicted (the head reads only the first vocab_size rows). 1: no padding, as GPT-2 and the paper
+    vocab_multiple: int = 1
 
     def validate(self) -> list[str]:
-        p = at_least(self, "model", ("vocab_size", "block_size", "d_model", "n_head"), 1)
+        p = at_least(self, "model", ("vocab_size", "block_size", "d_model", "n_head", "vocab_multiple",
+                                     "mlp_multiple"), 1)
         if self.n_head >= 1 and self.d_model % self.n_head:  # n_head < 1 is reported above
             p.append(f"model.d_model={self.d_model} is not divisible by model.n_head={self.n_head}")
         if not 0.0 <= self.dropout < 1.0:
             p.append(f"model.dropout must be in [0, 1), got {self.dropout}")
+        p += choice("model.block", self.block, ["gpt2", "llama"])
+        if self.block == "gpt2":
+            set_keys = [k for k, off in (("n_kv_head", self.n_kv_head is None), ("mlp_ratio", self.mlp_ratio is None),
+                                         ("qk_norm", not self.qk_norm)) if not off]
+            if set_keys:
+                p.append(f"model.{', model.'.join(set_keys)} set with model.block=gpt2: they belong to the llama block "
+                         f"(set model.block: llama, or remove them)")
+        elif self.block == "llama":
+            if self.bias:
+                p.append("model.bias=true with model.block=llama: the llama block has no biases; set model.bias: false")
+            if self.n_kv_head is not None and (self.n_kv_head < 1 or self.n_head % self.n_kv_head):
+                p.append(f"model.n_kv_head={self.n_kv_head} must be >= 1 and divide model.n_head={self.n_head} "
+                         f"(each key/value head serves n_head / n_kv_head query heads)")
+            if self.n_head >= 1 and self.d_model % self.n_head == 0 and (self.d_model // self.n_head) % 2:
+                p.append(f"model.d_model / model.n_head = {self.d_model // self.n_head} is odd: rotary positions "
+                         f"rotate pairs of dimensions, so the head size must be even")
+            if self.rope_theta <= 0:
+                p.append(f"model.rope_theta must be > 0, got {self.rope_theta}")
+            if self.mlp_ratio is not None and self.mlp_ratio <= 0:
+                p.append(f"model.mlp_ratio must be > 0, got {self.mlp_ratio}")
         return p
+
+    def kv_heads(self) -> int:
+        """Key/value heads of each attention layer (n_head unless grouped-query attention)."""
+        return self.n_kv_head or self.n_head
+
+    def swiglu_ratio(self) -> float:
+        return 8 / 3 if self.mlp_ratio is None else self.mlp_ratio
+
+    def embedding_rows(self) -> int:
+        """Rows of the token embedding and the tied head: vocab_size rounded up to a multiple of vocab_multiple."""
+        m = max(self.vocab_multiple, 1)
+        return -(-self.vocab_size // m) * m
 
     def max_depth(self) -> Optional[int]:
         """The deepest exit this model has (None: any depth, the recurrence can run past its trained depth)."""

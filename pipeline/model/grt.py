@@ -305,5 +305,5 @@ class GRT(RecurrentLM):
         n = cfg.n_recurrence if n_steps is None else n_steps
         S = seq_len or cfg.block_size
         overhead = GRT.executed_overhead_flops(cfg, n) if executed else n * GRT.step_overhead_flops(cfg)
-        f = GRT.block_executions(cfg, n) * block_flops_per_token(cfg.d_model, S) + overhead
-        return f + (head_flops_per_token(cfg.d_model, cfg.vocab_size) if with_head else 0)
+        f = GRT.block_executions(cfg, n) * block_flops_per_token(cfg, S) + overhead
+        return f + (head_flops_per_token(cfg) if with_head else 0)

@@ -10,11 +10,17 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ops import linear_cross_entropy
+from pipeline.model.attention import causal_attention
+from pipeline.model.configs import ModelConfig
 from pipeline.model.kv_cache import KVCache  # noqa: F401 (re-exported)
 from pipeline.model.kv_cache import KVCacheAtStep  # noqa: F401 (re-exported)
 from pipeline.model.kv_cache import KVSlot  # noqa: F401 (re-exported)
 from pipeline.model.kv_cache import at_step  # noqa: F401 (re-exported)
 from pipeline.model.kv_cache import cache_slot  # noqa: F401 (re-exported)
+from pipeline.model.layout import TokenLayout
+from pipeline.model.llama import LlamaBlock
+from pipeline.model.llama import RMSNorm
+from pipeline.model.llama import swiglu_hidden
 from pipeline.runtime.seeds import derive_seed
 
 
@@ -45,9 +51,9 @@ class CausalSelfAttention(nn.Module):
         self.dropout = dropout
         self.resid_dropout = nn.Dropout(dropout)
 
-    def forward(self, x: torch.Tensor, kv: "KVSlot | None" = None,
-                key_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """Causal self-attention. ``key_mask`` ([B, T] bool, for the tokens of ``x``; a cache slot keeps those of
+    def forward(self, x: torch.Tensor, kv: "KVSlot | None" = None, key_mask: torch.Tensor | None = None,
+                layout: TokenLayout | None = None) -> torch.Tensor:
+        """Causal self-attention (within documents when the ``layout`` has them). ``key_mask`` ([B, T] bool, for the tokens of ``x``; a cache slot keeps those of
         earlier tokens and masks left pads): which positions may be attended to; each query also sees itself, so no
         row is empty."""
         B, T, C = x.shape
@@ -55,28 +61,9 @@ class CausalSelfAttention(nn.Module):
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
         if kv is not None:
             k, v, key_mask = kv.update(k, v, key_mask)
-        y = causal_attention(q, k, v, self.dropout if self.training else 0.0, key_mask)
+        y = causal_attention(q, k, v, self.dropout if self.training else 0.0, key_mask, layout)
         y = y.transpose(1, 2).contiguous().view(B, T, C)
         return self.resid_dropout(self.c_proj(y))
-
-
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0,
-                     key_mask: torch.Tensor | None = None) -> torch.Tensor:
-    """Scaled dot-product attention [B, H, T, hd] of the T queries, which are the last T of the keys' positions
-    (the earlier ones come from a cache), causally; ``key_mask`` ([B, keys] bool) further limits which keys may be
-    attended to, each query always seeing itself. Dropout only in the uncached paths (training never caches)."""
-    T, past = q.shape[2], k.shape[2] - q.shape[2]
-    if key_mask is not None:
-        query_pos = torch.arange(past, past + T, device=q.device)[:, None]
-        key_pos = torch.arange(past + T, device=q.device)[None, :]
-        mask = (key_pos <= query_pos) & (key_mask[:, None, None, :] | (key_pos == query_pos))
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
-    if past == 0:
-        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
-    if T == 1:  # one decoded token: it sees every cached key, so no mask, and SDPA may pick a flash/efficient kernel
-        return F.scaled_dot_product_attention(q, k, v)
-    mask = torch.ones(T, past + T, dtype=torch.bool, device=q.device).tril(past)  # cached keys, then causal
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
 class MLP(nn.Module):
@@ -103,41 +90,85 @@ class Block(nn.Module):
         self.ln_2 = LayerNorm(d_model, bias)
         self.mlp = MLP(d_model, dropout, bias)
 
-    def forward(self, x: torch.Tensor, kv: "KVSlot | None" = None,
-                key_mask: torch.Tensor | None = None) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x), kv, key_mask)
+    def forward(self, x: torch.Tensor, kv: "KVSlot | None" = None, key_mask: torch.Tensor | None = None,
+                layout: TokenLayout | None = None) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), kv, key_mask, layout)
         return x + self.mlp(self.ln_2(x))
 
 
 class TokenEmbedding(nn.Module):
-    """Token + learned position embeddings (GPT-2), with dropout."""
+    """Token embeddings (``rows`` >= the vocabulary: padded rows are never read by the head) + learned position
+    embeddings (the GPT-2 block; none with rotary positions: ``block_size`` None), with dropout."""
 
-    def __init__(self, vocab_size: int, block_size: int, d_model: int, dropout: float):
+    def __init__(self, vocab_size: int, block_size: int | None, d_model: int, dropout: float):
         super().__init__()
         self.wte = nn.Embedding(vocab_size, d_model)
-        self.wpe = nn.Embedding(block_size, d_model)
+        self.wpe = nn.Embedding(block_size, d_model) if block_size is not None else None
         self.drop = nn.Dropout(dropout)
         self.block_size = block_size
 
-    def forward(self, idx: torch.Tensor, start: int | torch.Tensor = 0) -> torch.Tensor:
+    def forward(self, idx: torch.Tensor, start: int | torch.Tensor = 0,
+                layout: TokenLayout | None = None) -> torch.Tensor:
         """``start``: the first token's position, or one per row ([B] long, from a left-padded KVCache: row b's
-        j-th token is at start[b] + j, negative for its left pads, which are embedded at 0 and never attended to)."""
-        T = idx.shape[1]
-        arange = torch.arange(T, device=idx.device)
-        if isinstance(start, torch.Tensor):
-            pos = (start[:, None] + arange).clamp(min=0)
-            length = int(pos[:, -1].max()) + 1  # one device sync, on the padded path only
-        else:
-            pos, length = start + arange, start + T
-        if length > self.block_size:
-            raise ValueError(f"sequence length {length} exceeds model.block_size={self.block_size}; "
-                             f"shorten the input or raise model.block_size")
-        x = self.wte(idx) + self.wpe(pos)
+        j-th token is at start[b] + j, negative for its left pads, which are embedded at 0 and never attended to).
+        A ``layout`` gives the positions instead (restarting at each document)."""
+        x = self.wte(idx)
+        if self.wpe is not None:
+            T = idx.shape[1]
+            if layout is not None:
+                pos = layout.positions
+                length = int(pos.max()) + 1 if isinstance(start, torch.Tensor) else start + T
+            elif isinstance(start, torch.Tensor):
+                pos = (start[:, None] + torch.arange(T, device=idx.device)).clamp(min=0)
+                length = int(pos[:, -1].max()) + 1  # one device sync, on the padded path only
+            else:
+                pos, length = start + torch.arange(T, device=idx.device), start + T
+            if length > self.block_size:
+                raise ValueError(f"sequence length {length} exceeds model.block_size={self.block_size}; "
+                                 f"shorten the input or raise model.block_size")
+            x = x + self.wpe(pos)
         if torch.is_autocast_enabled(x.device.type):
             # mixed precision: the residual stream (and a recurrent model's state) starts in fp32 whatever dtype the
             # parameters are held in (DeepSpeed's bf16 engine casts them all to bf16), as under single and DDP
             x = x.to(torch.promote_types(x.dtype, torch.float32))
         return self.drop(x)
+
+
+def token_embedding(cfg: ModelConfig) -> TokenEmbedding:
+    """The embeddings of ``cfg``: learned positions for the gpt2 block, none for llama (rotary positions)."""
+    return TokenEmbedding(cfg.embedding_rows(), cfg.block_size if cfg.block == "gpt2" else None, cfg.d_model,
+                          cfg.dropout)
+
+
+def transformer_block(cfg: ModelConfig) -> nn.Module:
+    """One standard block of ``cfg.block``: GPT-2's pre-LN block or the Llama-style block."""
+    if cfg.block == "llama":
+        return LlamaBlock(cfg.d_model, cfg.n_head, cfg.kv_heads(),
+                          swiglu_hidden(cfg.d_model, cfg.swiglu_ratio(), cfg.mlp_multiple), cfg.dropout, cfg.qk_norm)
+    return Block(cfg.d_model, cfg.n_head, cfg.dropout, cfg.bias)
+
+
+def final_norm(cfg: ModelConfig) -> nn.Module:
+    """The norm before the head (and wherever a model normalises its residual stream): LayerNorm or RMSNorm."""
+    return RMSNorm(cfg.d_model) if cfg.block == "llama" else LayerNorm(cfg.d_model, cfg.bias)
+
+
+def lm_head(cfg: ModelConfig, embed: TokenEmbedding) -> nn.Linear:
+    """The LM head, its weight tied to the token embeddings; it predicts only the first ``vocab_size`` rows."""
+    head = nn.Linear(cfg.d_model, cfg.embedding_rows(), bias=False)
+    head.weight = embed.wte.weight
+    head.n_vocab = cfg.vocab_size  # read by head_output: the padded rows are never predicted
+    return head
+
+
+def token_layout(cfg: ModelConfig, idx: torch.Tensor, start: int | torch.Tensor = 0,
+                 docs: torch.Tensor | None = None) -> TokenLayout | None:
+    """The forward's :class:`TokenLayout`, built once and handed to every block; None for the gpt2 block without
+    documents (positions are the embedding's business there, and attention is plain causal: the paper's path)."""
+    if cfg.block == "gpt2" and docs is None:
+        return None
+    rope = (cfg.d_model // cfg.n_head, cfg.rope_theta) if cfg.block == "llama" else None
+    return TokenLayout.build(idx, start, docs, rope)
 
 
 def param_seed(seed: int, name: str) -> int:
@@ -151,8 +182,8 @@ def gpt2_init_value(module: nn.Module, attr: str, shape: torch.Size, gen: torch.
     """The full fp32 CPU initial value of ``module.<attr>`` under the GPT-2 rule: N(0, 0.02) for linear and embedding
     weights, N(0, std_resid) for residual projections (``is_residual_projection``), N(0, module.init_std) where a
     module sets ``init_std`` (0: zeros), biases at the module's ``bias_init`` (0 unless set), LayerNorm weight 1 and
-    bias 0; any other module's parameters by its own ``init_value(attr, shape)``."""
-    if isinstance(module, LayerNorm):
+    bias 0 (RMSNorm weight 1); any other module's parameters by its own ``init_value(attr, shape)``."""
+    if isinstance(module, (LayerNorm, RMSNorm)):
         return torch.ones(shape) if attr == "weight" else torch.zeros(shape)
     if isinstance(module, nn.Linear) and attr == "bias":
         return torch.full(shape, float(getattr(module, "bias_init", 0.0)))
@@ -198,17 +229,38 @@ def acc_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def head_output(lm_head: nn.Linear, h: torch.Tensor, targets: torch.Tensor | None):
     """The LM head on final-LN'd states: (logits, None) without targets; with them (None, mean next-token
-    cross-entropy in nats), fused and chunked so the full logits are never materialised (-1 targets ignored)."""
+    cross-entropy in nats), fused and chunked so the full logits are never materialised (-1 targets ignored).
+    A padded vocabulary (``model.vocab_multiple``) predicts only its first ``lm_head.n_vocab`` rows: the padding
+    never gets a logit or a share of the softmax."""
+    n_vocab = getattr(lm_head, "n_vocab", lm_head.out_features)
     if targets is None:
-        return lm_head(h), None
-    return None, linear_cross_entropy(h, lm_head.weight, targets)
+        if n_vocab == lm_head.out_features:
+            return lm_head(h), None
+        return F.linear(h, lm_head.weight[:n_vocab]), None
+    return None, linear_cross_entropy(h, lm_head.weight[:n_vocab], targets)
 
 
-def block_flops_per_token(d: int, seq_len: int) -> int:
-    """Paper Eq. 1: forward FLOPs per token of one block, 24d^2 (projections) + 4Sd (the two attention matmuls)."""
-    return 24 * d * d + 4 * seq_len * d
+def block_flops_per_token(cfg: ModelConfig, seq_len: int) -> int:
+    """Paper Eq. 1: forward FLOPs per token of one block, 2 x its projection weights (24d^2 for GPT-2's block;
+    2d(2d + 2 d_kv + 3f) for the llama block, d_kv = n_kv_head * head size, f the SwiGLU hidden size) + 4Sd, the two
+    attention matmuls over the S keys of a full causal window. Under document masking the kernel may skip the key
+    blocks of other documents; the model FLOPs (and MFU) still count 4Sd, the convention of the unmasked window,
+    so a masked and an unmasked run of the same recipe report the same FLOPs (bench/document_masking.py measures the
+    share masking saves)."""
+    d = cfg.d_model
+    return 2 * block_weight_params(cfg) + 4 * seq_len * d
 
 
-def head_flops_per_token(d: int, vocab_size: int) -> int:
-    """The tied LM head: one d x V matmul, 2dV FLOPs per token."""
-    return 2 * d * vocab_size
+def block_weight_params(cfg: ModelConfig) -> int:
+    """Matmul weights of one standard block (no norms, no biases): 12d^2 for GPT-2's; d(2d + 2 d_kv) + 3df for
+    the llama block."""
+    d = cfg.d_model
+    if cfg.block == "llama":
+        d_kv = cfg.kv_heads() * (d // cfg.n_head)
+        return d * (2 * d + 2 * d_kv) + 3 * d * swiglu_hidden(d, cfg.swiglu_ratio(), cfg.mlp_multiple)
+    return 12 * d * d
+
+
+def head_flops_per_token(cfg: ModelConfig) -> int:
+    """The tied LM head: one d x V matmul over the real vocabulary (the padding rows are never computed), 2dV."""
+    return 2 * cfg.d_model * cfg.vocab_size

@@ -197,11 +197,11 @@ class MoR(RecurrentLM):
         24d^2 k_r / S, attention 4 k_r d k_r / S as queries and keys both shrink), router r on its k_{r-1}
         candidates (2d each); prelude and coda at full length."""
         d, S = cfg.d_model, seq_len
-        total = (cfg.n_prelude + cfg.n_coda) * S * block_flops_per_token(d, S)
+        total = (cfg.n_prelude + cfg.n_coda) * S * block_flops_per_token(cfg, S)
         candidates = S
         for r in range(n_steps):
             k = capacity_tokens(cfg.n_recurrence, r, S)
-            total += cfg.n_core * k * block_flops_per_token(d, k) + 2 * d * candidates
+            total += cfg.n_core * k * block_flops_per_token(cfg, k) + 2 * d * candidates
             candidates = k
         return total / S
 
@@ -215,8 +215,8 @@ class MoR(RecurrentLM):
         if executed:
             f = round(MoR.executed_flops(cfg, n, S))
         else:
-            f = MoR.block_executions(cfg, n) * block_flops_per_token(cfg.d_model, S) + n * 2 * cfg.d_model
-        return f + (head_flops_per_token(cfg.d_model, cfg.vocab_size) if with_head else 0)
+            f = MoR.block_executions(cfg, n) * block_flops_per_token(cfg, S) + n * 2 * cfg.d_model
+        return f + (head_flops_per_token(cfg) if with_head else 0)
 
     @staticmethod
     def training_flops_per_token(cfg: MoRConfig, n_steps: int | None = None) -> int:

@@ -204,20 +204,20 @@ class Ouro(LanguageModel):
         n = cfg.n_recurrence if n_steps is None else n_steps
         S = seq_len or cfg.block_size
         gates = n
-        f = Ouro.block_executions(cfg, n) * block_flops_per_token(cfg.d_model, S) + gates * 2 * cfg.d_model
-        return f + (head_flops_per_token(cfg.d_model, cfg.vocab_size) if with_head else 0)
+        f = Ouro.block_executions(cfg, n) * block_flops_per_token(cfg, S) + gates * 2 * cfg.d_model
+        return f + (head_flops_per_token(cfg) if with_head else 0)
 
     @staticmethod
     def training_flops_per_token(cfg: OuroConfig, n_steps: int | None = None) -> int:
         """Model FLOPs of one training step: 3x the forward with the head at every loop (the fused loss's logits
         recomputation is not model work and not counted): the trainer's MFU."""
         T = cfg.n_recurrence if n_steps is None else n_steps
-        head = head_flops_per_token(cfg.d_model, cfg.vocab_size)
+        head = head_flops_per_token(cfg)
         return 3 * (Ouro.flops_per_token(cfg, T, with_head=True) + (T - 1) * head)
 
     @staticmethod
     def flops_notes(cfg: OuroConfig) -> list[str]:
-        T, head = cfg.n_recurrence, head_flops_per_token(cfg.d_model, cfg.vocab_size)
+        T, head = cfg.n_recurrence, head_flops_per_token(cfg)
         one_head = Ouro.flops_per_token(cfg, with_head=True)
         t_heads = one_head + (T - 1) * head
         train = 3 * (one_head - head) + 4 * T * head  # blocks and gates fwd + 2x bwd; heads fwd + recompute + 2x bwd

@@ -167,8 +167,8 @@ class PoissonDepth(RecurrentLM):
         2dV for the head. ``executed`` is the same: the adapter runs in full at every step."""
         n = cfg.n_recurrence if n_steps is None else n_steps
         d, S = cfg.d_model, seq_len or cfg.block_size
-        f = PoissonDepth.block_executions(cfg, n) * block_flops_per_token(d, S) + n * 4 * d * d
-        return f + (head_flops_per_token(d, cfg.vocab_size) if with_head else 0)
+        f = PoissonDepth.block_executions(cfg, n) * block_flops_per_token(cfg, S) + n * 4 * d * d
+        return f + (head_flops_per_token(cfg) if with_head else 0)
 
     @staticmethod
     def expected_grad_steps(cfg: PoissonConfig) -> float:

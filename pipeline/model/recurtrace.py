@@ -40,6 +40,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ops import linear_cross_entropy
+from pipeline.model.attention import causal_attention
 from pipeline.model.configs import RecurTraceConfig
 from pipeline.model.fp32_linear import FP32Linear
 from pipeline.model.fp32_linear import autocast_off
@@ -50,7 +51,6 @@ from pipeline.model.layers import acc_dtype
 from pipeline.model.layers import at_step
 from pipeline.model.layers import block_flops_per_token
 from pipeline.model.layers import cache_slot
-from pipeline.model.layers import causal_attention
 from pipeline.model.layers import copy_full
 from pipeline.model.layers import head_flops_per_token
 from pipeline.model.layers import head_output
@@ -352,8 +352,7 @@ class RecurTrace(RecurrentLM):
     @staticmethod
     def readout_flops(cfg: RecurTraceConfig) -> int:
         """Coda blocks and the tied head on one state, per token."""
-        return cfg.n_coda * block_flops_per_token(cfg.d_model, cfg.block_size) + head_flops_per_token(
-            cfg.d_model, cfg.vocab_size)
+        return cfg.n_coda * block_flops_per_token(cfg, cfg.block_size) + head_flops_per_token(cfg)
 
     @staticmethod
     def flops_notes(cfg: RecurTraceConfig) -> list[str]:
@@ -374,8 +373,8 @@ class RecurTrace(RecurrentLM):
         per looped layer and iteration) and the halting head (2 d per iteration)."""
         S, d = seq_len or cfg.block_size, cfg.d_model
         n = cfg.n_recurrence if n_steps is None else n_steps
-        f = RecurTrace.block_executions(cfg, n) * block_flops_per_token(d, S)
+        f = RecurTrace.block_executions(cfg, n) * block_flops_per_token(cfg, S)
         if cfg.loop_memory != "none":
             f += cfg.n_core * sum(4 * d * i for i in range(n))
         f += 2 * d * n
-        return f + (head_flops_per_token(d, cfg.vocab_size) if with_head else 0)
+        return f + (head_flops_per_token(cfg) if with_head else 0)

@@ -21,6 +21,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from pipeline.model.attention import causal_attention
 from pipeline.model.configs import RRTConfig
 from pipeline.model.layers import KVCache
 from pipeline.model.layers import KVCacheAtStep
@@ -29,7 +30,6 @@ from pipeline.model.layers import LayerNorm
 from pipeline.model.layers import at_step
 from pipeline.model.layers import block_flops_per_token
 from pipeline.model.layers import cache_slot
-from pipeline.model.layers import causal_attention
 from pipeline.model.layers import copy_full
 from pipeline.model.layers import head_flops_per_token
 from pipeline.model.layers import head_output
@@ -201,15 +201,15 @@ class RRT(RecurrentLM):
         """Paper Eq. 1: (n_pre + n_core e + n_coda)(24d^2 + 4Sd) + e * n_core * 32 rank d (the LoRA matmuls)
         (+ 2dV for the head). ``executed`` changes nothing: the code runs exactly these matmuls."""
         S = seq_len or cfg.block_size
-        f = RRT.block_executions(cfg, n_steps) * block_flops_per_token(cfg.d_model, S)
+        f = RRT.block_executions(cfg, n_steps) * block_flops_per_token(cfg, S)
         f += RRT.lora_flops_per_token(cfg, n_steps)
-        return f + (head_flops_per_token(cfg.d_model, cfg.vocab_size) if with_head else 0)
+        return f + (head_flops_per_token(cfg) if with_head else 0)
 
     @staticmethod
     def flops_notes(cfg: RRTConfig) -> list[str]:
         d, S = cfg.d_model, cfg.block_size
         lora_f = RRT.lora_flops_per_token(cfg)
-        blocks_f = RRT.block_executions(cfg) * block_flops_per_token(d, S)
+        blocks_f = RRT.block_executions(cfg) * block_flops_per_token(cfg, S)
         block_p = 12 * d * d + (13 * d if cfg.bias else 2 * d)
         shared_p = ((cfg.n_prelude + cfg.n_core + cfg.n_coda) * block_p + (2 * d if cfg.bias else d)
                     + (cfg.vocab_size + S) * d)
