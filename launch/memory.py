@@ -133,6 +133,7 @@ class MemoryPlan:
     grad_accum: int
     world: int
     bf16: bool
+    document_masking: bool = False  # data.document_masking: SDPA's mask per block (launch/memory_shapes.py)
 
     def label(self) -> str:
         b = f"deepspeed zero {self.zero_stage}" if self.backend == "deepspeed" else self.backend
@@ -157,7 +158,8 @@ def estimate(model_cfg, pc: ParamCounts, plan: MemoryPlan) -> Estimate:
     a = 2 if plan.bf16 else 4
     s = 4
     return Estimate(plan, model_state_bytes(pc, plan.backend, plan.zero_stage, plan.world, plan.bf16),
-                    activation_bytes(model_cfg, plan.micro_batch, plan.checkpointing, a, s))
+                    activation_bytes(model_cfg, plan.micro_batch, plan.checkpointing, a, s,
+                                     document_masking=plan.document_masking))
 
 
 def usable_bytes(gpu_bytes: float) -> float:

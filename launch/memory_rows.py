@@ -33,7 +33,7 @@ launch/memory_shapes.py. Embeddings, prelude / coda blocks and the head are as t
                           (the core's output, saved by the weighted update) + (2a + 8) B n_r (router logits and
                           sigmoid, the BCE's fp32 logits and top-k membership target) + (a + 16) B k_r (the gathered
                           weights, int64 indices of the chosen: in the candidates and in the sequence; r = 0: one
-                          tensor, a + 8)
+                          tensor, a + 8); llama block: + 4 B k_r hd (the chosen's rotary angles, a sub-layout)
       core_step           per recursion only its inputs: h (s BTd) and the previous recursion's indices (8 B n_r).
                           Region: the largest recursion (r = 0: k_0 = T) without its inputs
       blocks              per recursion the routing terms above + each core block's input (s B k_r d) and the core's
@@ -42,6 +42,7 @@ launch/memory_shapes.py. Embeddings, prelude / coda blocks and the head are as t
                           mlp c_proj, saved by B_r; the scale and the sum save nothing) + 2 a BTd when a != s
                           (autocast casts LN's fp32 output once for W and once more for A_r: c_attn and c_fc);
                           N_r recursions of n_core such blocks, the stream in s (x + block(x) keeps x's dtype)
+                          [llama block: 7 a BT rank, q/k/v/o_proj and gate/up/down_proj LoRA'd]
       core_step           per recursion only its input h (s BTd); region: one recursion
       blocks              per block only its input
     Ouro loop t           n_layer blocks + s BTd (the loop norm's input) + 8 BT (its statistics) + 4 BT (the
@@ -196,7 +197,8 @@ def mor(c, x: Shapes, mode: str) -> Activations:
         # logits, sigmoid, BCE fp32 logits/target; the gathered weights and the chosen's int64 indices among the
         # candidates and (r > 0) in the sequence: at r = 0 one tensor (top-k's own indices are freed with its values)
         small = (2 * a + 8) * B * n + (a + (16 if r > 0 else 8)) * B * k
-        return gathered + cast + s * B * k * d + small  # + the core's output (weighted update)
+        rope = 4 * B * k * (d // x.H) if x.llama is not None else 0  # the chosen's rotary angles (their sub-layout)
+        return gathered + cast + s * B * k * d + small + rope  # + the core's output (weighted update)
 
     outside = x.embed() + (c.n_prelude + c.n_coda) * x.block(s) + x.mean_head(s)
     if mode == "none":
@@ -216,7 +218,8 @@ def mor(c, x: Shapes, mode: str) -> Activations:
 def rrt(c, x: Shapes, mode: str) -> Activations:
     """N_r recursions of the n_core LoRA'd blocks, the stream in s throughout."""
     a, s, BTd = x.a, x.s, x.BTd
-    core = x.block(s) + 4 * a * x.BT * c.lora_rank + (2 * a * BTd if a != s else 0)
+    n_lora = 4 if x.llama is None else 7  # the LoRA'd projections: their A outputs (c_attn ... / q_proj ... down_proj)
+    core = x.block(s) + n_lora * a * x.BT * c.lora_rank + (2 * a * BTd if a != s else 0)
     N, outer = c.n_recurrence, c.n_prelude + c.n_coda
     outside = x.embed() + x.mean_head(s)
     if mode == "none":
@@ -234,7 +237,7 @@ def ouro(c, x: Shapes, mode: str) -> Activations:
     a, s, BT, BTd = x.a, x.s, x.BT, x.BTd
     L, T_loops = c.n_layer, c.n_recurrence
     gate_casts = (T_loops - 1) * a * BTd if a != s else 0
-    per_loop = s * BTd + x.ln_stats() + 4 * BT  # loop norm input and statistics, the CE's logsumexp
+    per_loop = s * BTd + x.norm_stats() + 4 * BT  # loop norm input and statistics, the CE's logsumexp
     loss = 12 * BT * T_loops + 8 * BT * (T_loops - 1)
     # + h_T and the targets, saved by the last CE; the mean over the tokens with a target: the bool mask (BT) and
     # the int64 count it divides by
@@ -246,7 +249,7 @@ def ouro(c, x: Shapes, mode: str) -> Activations:
         return Activations(outside + T_loops * (L * x.block(s) + per_loop), 0.0, workspace)
     if mode == "core_step":
         saved = outside + T_loops * (s * BTd + 4 * BT)  # the checkpoint holds each loop's input h_{t-1}
-        return Activations(saved, L * x.block(s) + x.ln_stats(), workspace)
+        return Activations(saved, L * x.block(s) + x.norm_stats(), workspace)
     saved = outside + T_loops * (L * s * BTd + per_loop)
     return Activations(saved, x.block(s) - s * BTd, workspace)
 
@@ -385,14 +388,21 @@ def activation_depth(model_cfg) -> tuple[int, str]:
 
 
 def activation_bytes(model_cfg, micro_batch: int, mode: str, a: int = 4, s: int = 4,
-                     chunk_bytes: int = CUDA_CE_CHUNK_BYTES) -> Activations:
+                     chunk_bytes: int = CUDA_CE_CHUNK_BYTES, document_masking: bool = False) -> Activations:
     """Activations of one micro-batch (``micro_batch`` x ``model.block_size``) at the depth of
     :func:`activation_depth` under activation checkpointing ``mode``; ``a``/``s``: compute / residual-stream
     bytes. One function per model type (ROWS), each the module docstring's rows for it."""
     if mode not in CHECKPOINTING_MODES:
         raise ValueError(f"train.activation_checkpointing={mode!r}; use one of {CHECKPOINTING_MODES}")
+    llama = None
+    if model_cfg.block == "llama":
+        from pipeline.model.llama import swiglu_hidden
+
+        c = model_cfg
+        llama = (c.kv_heads() * (c.d_model // c.n_head), c.kv_heads(),
+                 swiglu_hidden(c.d_model, c.swiglu_ratio(), c.mlp_multiple), c.qk_norm)
     x = Shapes(micro_batch, model_cfg.block_size, model_cfg.d_model, model_cfg.n_head, model_cfg.vocab_size, a, s,
-               chunk_bytes)
+               chunk_bytes, llama, document_masking)
     if model_cfg.type not in ROWS:
         raise ValueError(_unknown(model_cfg.type))
     return ROWS[model_cfg.type].activations(model_cfg, x, mode)

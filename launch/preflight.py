@@ -145,7 +145,7 @@ def _check_memory(cfg, world: int, gpu_mem_gb: float | None, bf16: bool, rep: Re
                             f"(model.recur) and model.type={cfg.model.type} has none; set "
                             f"train.activation_checkpointing=blocks (estimated below as none)")
     plan = MemoryPlan(backend, tc.zero_stage if backend == "deepspeed" else 0, tc.activation_checkpointing,
-                      tc.micro_batch_size, tc.grad_accum_steps, world, bf16)
+                      tc.micro_batch_size, tc.grad_accum_steps, world, bf16, cfg.data.document_masking)
     est = memory.estimate(cfg.model, pc, plan)
     depth, counts = activation_depth(cfg.model)
     lines = [f"{pc.total / 1e6:,.1f}M unique parameters; activations of model.type={cfg.model.type} at depth "

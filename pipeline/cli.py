@@ -32,7 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     # in the order `grt --help` lists them
     train_command.register_info(sub)  # info
-    tokenize_command.register(sub)  # tokenize, data
+    tokenize_command.register(sub)  # tokenize, data, tokenizer
     train_command.register(sub)  # train
     run_command.register(sub)  # run
     eval_command.register(sub)  # eval

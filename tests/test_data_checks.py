@@ -224,7 +224,7 @@ def test_loader_names_shard_and_offset_instead_of_index_error(tmp_path):
     # up to the bad window every batch came out; without vocab_size (old callers) nothing is checked
     unchecked = SequenceLoader(shards, 32, 4, seed=1)
     for _ in range(batches + 1):
-        x, y = unchecked.next_batch()
+        x, y, _ = unchecked.next_batch()
     assert x.shape == (4, 32)
 
 

@@ -83,3 +83,22 @@ def test_training_flops_of_each_method_by_hand():
     ks = [32, 16]  # capacities 1 and 1/2 of S = 32; each router scores the previous recursion's 32 chosen tokens
     executed = 2 * block + sum(k / S * 24 * d * d + (k / S) ** 2 * 4 * S * d for k in ks) + 2 * (2 * d)
     assert model_class("mor").training_flops_per_token(mc) == pytest.approx(3 * (executed + head), rel=1e-6)
+
+
+def test_llama_block_params_and_eq1_flops_by_hand(capsys):
+    """gpt2-small with the llama block, GQA (12 query / 4 kv heads), QK-norm and the vocabulary padded to 128:
+    per block q,o d x d, k,v d x d_kv, SwiGLU 3 d f with f = 256 ceil(8/3 d / 256), two RMSNorms d, QK-norm 2 hd;
+    the tied embedding has the padded rows, no position embedding; the head's FLOPs use the real vocabulary."""
+    overrides = ["model.block=llama", "model.bias=false", "model.n_kv_head=4", "model.qk_norm=true",
+                 "model.vocab_multiple=128"]
+    assert main(["info", str(PAPER / "gpt2-small.yaml"), *overrides, "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    d, L, hd, d_kv, f, rows = 768, 12, 64, 4 * 64, 2048, 50304
+    weights = 2 * d * d + 2 * d * d_kv + 3 * d * f
+    assert got["params"] == got["params_without_position"] == rows * d + L * (weights + 2 * d + 2 * hd) + d
+    assert got["flops_per_token"] == L * (2 * weights + 4 * S * d)
+    assert got["flops_per_token_with_head"] == got["flops_per_token"] + 2 * d * V
+    assert (got["block"], got["n_kv_head"], got["mlp_hidden"], got["embedding_rows"]) == ("llama", 4, f, rows)
+    assert main(["info", str(PAPER / "gpt2-small.yaml"), *overrides]) == 0
+    assert "llama: 12 query / 4 key-value heads, SwiGLU hidden 2048; vocabulary 50,257 in 50,304 rows" in \
+        capsys.readouterr().out

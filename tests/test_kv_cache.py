@@ -37,7 +37,9 @@ from pipeline.model.kv_cache import KV_STRATEGIES
 from pipeline.model.kv_cache import KVCache
 from pipeline.model.kv_cache import at_step
 from pipeline.model.layers import CausalSelfAttention
+from pipeline.model.llama import LlamaAttention
 from pipeline.model.rrt import RRTAttention
+from pipeline.model.rrt import RRTLlamaAttention
 
 BASE = dict(vocab_size=64, block_size=64, d_model=32, n_head=2)
 CONFIGS = {
@@ -48,8 +50,13 @@ CONFIGS = {
     "rrt": RRTConfig(**BASE, n_prelude=1, n_core=1, n_coda=1, n_recurrence=3, lora_rank=4),
     "ouro": OuroConfig(**BASE, n_layer=2, n_recurrence=3),
 }
+# the llama block (rotary positions, grouped-query attention with ONE key/value head of two, QK-norm) in the types
+# whose models take it: "<type>-llama"
+LLAMA = dict(block="llama", bias=False, n_kv_head=1, qk_norm=True, mlp_multiple=16, rope_theta=500.0)
+CONFIGS.update({f"{t}-llama": type(CONFIGS[t])(**{**CONFIGS[t].__dict__, **LLAMA})
+                for t in ("gpt", "grt", "poisson", "mor", "rrt", "ouro")})
 MODEL_TYPES = list(CONFIGS)
-RECURRENT = [t for t in MODEL_TYPES if t != "gpt"]
+RECURRENT = [t for t in MODEL_TYPES if not t.startswith("gpt")]
 _MODELS: dict = {}
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny ops run faster on one thread
@@ -61,12 +68,13 @@ def model_of(model_type: str):
     if model_type not in _MODELS:
         torch.manual_seed(3)
         m = build_model(CONFIGS[model_type]).double().eval()
+        kind = model_type.split("-")[0]
         with torch.no_grad():
             for p in m.parameters():
                 p.add_(0.1 * torch.randn_like(p))
-            if model_type == "grt":
+            if kind == "grt":
                 m.recur.gate.fc2.bias.normal_(0.0, 1.0)
-        if model_type == "mor":
+        if kind == "mor":
             m.routing = "threshold"
         _MODELS[model_type] = m
     return _MODELS[model_type]
@@ -99,7 +107,10 @@ class StrategyReference:
         T, C = x.shape[1:]
         H = module.n_head
         hd = C // H
-        q, k, v = (t.reshape(T, H, hd) for t in module.c_attn(x, *lora)[0].split(C, dim=-1))
+        if isinstance(module, (LlamaAttention, RRTLlamaAttention)):
+            q, k, v = self.llama_qkv(module, x[0], lora)
+        else:
+            q, k, v = (t.reshape(T, H, hd) for t in module.c_attn(x, *lora)[0].split(C, dim=-1))
         ran = key_mask[0] if key_mask is not None else torch.ones(T, dtype=torch.bool)
         past = self.past(module, len(per_step[module]))
         per_step[module].append((k, v, ran))
@@ -114,7 +125,37 @@ class StrategyReference:
             scores = torch.einsum("hd,nhd->hn", q[t], keys[:n]) / math.sqrt(hd)
             w = torch.softmax(scores.masked_fill(~seen, -math.inf), dim=-1)
             out.append(torch.einsum("hn,nhd->hd", w, values[:n]).reshape(C))
+        if isinstance(module, RRTLlamaAttention):
+            return module.o_proj(torch.stack(out)[None], *lora)
+        if isinstance(module, LlamaAttention):
+            return torch.stack(out)[None] @ module.o_proj.weight.T
         return module.c_proj(torch.stack(out)[None], *lora)
+
+    def llama_qkv(self, module, x, lora=()):
+        """q, k, v [T, H, hd] of the llama block at this sequence's absolute positions: QK-norm, the rotation by
+        angle p theta^(-2i/hd) of each pair (i, i + hd/2) written out, the key/value heads repeated for the query
+        heads that share them (grouped-query attention)."""
+        T, H, Hkv, hd = x.shape[0], module.n_head, module.n_kv_head, module.head_dim
+        if lora:  # RRT's LoRA'd projections (W x + (alpha / rank) B_r A_r x), as its gpt2 reference calls them
+            q, k, v = (proj(x, *lora) for proj in (module.q_proj, module.k_proj, module.v_proj))
+            q, k, v = q.view(T, H, hd), k.view(T, Hkv, hd), v.view(T, Hkv, hd)
+        else:
+            q = (x @ module.q_proj.weight.T).view(T, H, hd)
+            k = (x @ module.k_proj.weight.T).view(T, Hkv, hd)
+            v = (x @ module.v_proj.weight.T).view(T, Hkv, hd)
+        if module.q_norm is not None:
+            q = q / torch.sqrt(q.pow(2).mean(-1, keepdim=True) + 1e-6) * module.q_norm.weight
+            k = k / torch.sqrt(k.pow(2).mean(-1, keepdim=True) + 1e-6) * module.k_norm.weight
+        theta = self.model.cfg.rope_theta
+        angle = torch.arange(self.n_tokens, self.n_tokens + T, dtype=torch.float64)[:, None, None] * torch.tensor(
+            [theta ** (-2 * i / hd) for i in range(hd // 2)], dtype=torch.float64)
+
+        def rotate(t):
+            a, b = t[..., :hd // 2], t[..., hd // 2:]
+            return torch.cat([a * angle.cos() - b * angle.sin(), b * angle.cos() + a * angle.sin()], dim=-1)
+
+        group = H // Hkv
+        return rotate(q), rotate(k).repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
 
     @contextmanager
     def patched(self, per_step):
@@ -124,15 +165,18 @@ class StrategyReference:
         def attn_forward(module, x, kv=None, key_mask=None, layout=None):
             return ref.attend(per_step, module, x, key_mask, ())
 
-        def rrt_attn_forward(module, x, r, kv=None):
+        def rrt_attn_forward(module, x, r, kv=None, layout=None):
             return ref.attend(per_step, module, x, None, (r,))
 
         def embed_forward(module, idx, start=0, layout=None):
+            if module.wpe is None:  # the llama block: rotary positions, applied by llama_qkv
+                return module.wte(idx)
             return module.wte(idx) + module.wpe(torch.arange(offset, offset + idx.shape[1]))
 
-        patched = [m for m in self.model.modules() if isinstance(m, (CausalSelfAttention, RRTAttention))]
+        attention = (CausalSelfAttention, RRTAttention, LlamaAttention, RRTLlamaAttention)
+        patched = [m for m in self.model.modules() if isinstance(m, attention)]
         for m in patched:
-            fn = rrt_attn_forward if isinstance(m, RRTAttention) else attn_forward
+            fn = rrt_attn_forward if isinstance(m, (RRTAttention, RRTLlamaAttention)) else attn_forward
             m.forward = types.MethodType(fn, m)
         embed.forward = types.MethodType(embed_forward, embed)
         try:
@@ -180,6 +224,12 @@ def cached_decode(model, prompts, n_new, kv, depths=None):
     return logits.argmax(-1), logits
 
 
+def ref_tol(model_type: str) -> dict:
+    """Tolerance against the float64 reference: the llama block holds its rotary cos/sin in fp32 (as Hugging Face's
+    Llama), so its rotation of float64 states is exact to ~1e-7 only; the rest is float64 throughout."""
+    return dict(rtol=1e-6, atol=1e-6) if model_type.endswith("-llama") else dict(rtol=1e-9, atol=1e-9)
+
+
 def prompt_of(n: int, seed: int = 0) -> list[int]:
     return torch.randint(0, 64, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
@@ -192,9 +242,9 @@ def test_cached_greedy_decode_equals_the_strategy_recomputed_from_scratch(model_
     want_tokens, want_logits = reference_decode(m, prompt, 32, kv)
     tokens, logits = cached_decode(m, [prompt], 32, kv)
     assert tokens[0].tolist() == want_tokens
-    torch.testing.assert_close(logits[0], want_logits, rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close(logits[0], want_logits, **ref_tol(model_type))
     plain = torch.stack([m(torch.tensor([prompt + want_tokens[:i]]))[0][0, -1] for i in range(32)])
-    if kv == "full" or model_type == "gpt":  # one step per block: every strategy is the exact model
+    if kv == "full" or model_type.startswith("gpt"):  # one step per block: every strategy is the exact model
         torch.testing.assert_close(logits[0], plain, rtol=1e-9, atol=1e-9)
     else:  # the strategy changes what decoding attends to, so the equality above is not the exact model's
         assert (logits[0] - plain).abs().max() > 1e-6
@@ -206,12 +256,12 @@ def test_forwards_of_fewer_and_more_steps(model_type, kv):
     """Per-forward depths below and (where the model allows) above the prompt's: full fills the steps a token did
     not run with its last computed step, the compact strategies compact over the steps it ran."""
     m = model_of(model_type)
-    R, deeper = m.cfg.n_recurrence, model_type in ("grt", "poisson", "ouro")
+    R, deeper = m.cfg.n_recurrence, model_type.split("-")[0] in ("grt", "poisson", "ouro")
     depths = [R, 1, 2, R, 1] + ([R + 1, 2, R + 1] if deeper else [R, 2, 1])
     want_tokens, want_logits = reference_decode(m, prompt_of(6, 1), len(depths), kv, depths)
     tokens, logits = cached_decode(m, [prompt_of(6, 1)], len(depths), kv, depths)
     assert tokens[0].tolist() == want_tokens
-    torch.testing.assert_close(logits[0], want_logits, rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close(logits[0], want_logits, **ref_tol(model_type))
 
 
 def test_full_fill_rule_on_the_cache_itself():
@@ -349,6 +399,7 @@ def test_generation_past_the_models_block_size_slides_as_documented(model_type, 
 def test_cache_bytes_per_token_follow_the_layer_count(model_type, kv):
     m, B = model_of(model_type), 2
     cfg = m.cfg
+    model_type = model_type.split("-")[0]
     cache, idx = KVCache.left_padded([prompt_of(5), prompt_of(9)], cfg.block_size, kv)
     with torch.no_grad():
         m(idx, cache=cache)
@@ -360,7 +411,8 @@ def test_cache_bytes_per_token_follow_the_layer_count(model_type, kv):
         layers = cfg.n_prelude + cfg.n_core * (cfg.n_recurrence if kv == "full" else 1) + cfg.n_coda
     flags = layers - cfg.n_prelude - cfg.n_coda if model_type == "mor" else 0  # MoR's core keeps a key flag
     assert cache.n_layer_caches() == layers
-    assert cache.nbytes() == (layers * 2 * cfg.d_model * 8 + flags) * B * cfg.block_size  # K and V in float64
+    kv_width = cfg.kv_heads() * (cfg.d_model // cfg.n_head)  # grouped-query attention caches n_kv_head heads
+    assert cache.nbytes() == (layers * 2 * kv_width * 8 + flags) * B * cfg.block_size  # K and V in float64
 
 
 @pytest.mark.parametrize("kv", KV_STRATEGIES)
@@ -440,6 +492,6 @@ def test_lm_eval_adapter_kv_argument_and_mixed_length_batches():
     pairs = [("The gate decides how much", " of the state"), ("one two", " three")]
     got = lm.loglikelihood([Req(c, t) for c, t in pairs], disable_tqdm=True)
     enc = lm.tokenizer
-    want = decode_loglikelihoods(model, [(enc.encode_ordinary(c), enc.encode_ordinary(t)) for c, t in pairs],
+    want = decode_loglikelihoods(model, [(enc.encode(c), enc.encode(t)) for c, t in pairs],
                                  lm.depth, 1, cfg.model.block_size, "last")
     assert [g[0] for g in got] == pytest.approx([w[0] for w in want], abs=1e-4)

@@ -25,6 +25,7 @@ WORKER = REPO / "tests" / "meta_init_worker.py"
 TINY = dict(type="grt", vocab_size=97, block_size=16, d_model=32, n_head=2, n_prelude=1, n_core=1, n_coda=1,
             n_recurrence=3)
 SEED = 7
+TINY_LLAMA = dict(block="llama", bias=False, n_kv_head=1, qk_norm=True, vocab_multiple=64)
 RSS_GPT = dict(type="gpt", vocab_size=1024, block_size=64, d_model=512, n_head=8, n_layer=16)  # 51M parameters
 
 
@@ -74,6 +75,26 @@ def test_weights_depend_on_seed_and_name_only():
     assert torch.equal(gpt.embed.wte.weight, a.embed.wte.weight)
 
 
+def test_llama_build_follows_the_gpt2_rule():
+    """The llama block under the same rule: RMSNorm weights (block, QK-norm, final) 1, o_proj and down_proj the
+    residual N(0, 0.02 / sqrt(2 x block executions at R)), q/k/v/gate/up_proj and the padded embedding N(0, 0.02)."""
+    cfg = GRTConfig(vocab_size=500, block_size=32, d_model=64, n_head=4, n_prelude=1, n_core=2, n_coda=1,
+                    n_recurrence=4, **TINY_LLAMA)
+    m = build_model(cfg, seed=SEED)
+    std_resid = 0.02 / math.sqrt(2 * (1 + 2 * 4 + 1))
+    assert m.lm_head.weight is m.embed.wte.weight and m.embed.wte.weight.shape[0] == 512
+    P = dict(m.named_parameters())
+    norms = [k for k in P if k.endswith(("ln_1.weight", "ln_2.weight", "q_norm.weight", "k_norm.weight"))]
+    assert len(norms) == 4 * 4  # four blocks
+    for k in norms:
+        assert torch.equal(P[k], torch.ones_like(P[k])), k
+    for suffix in ("o_proj.weight", "down_proj.weight", "q_proj.weight", "k_proj.weight", "gate_proj.weight",
+                   "wte.weight"):
+        pooled = torch.cat([p.flatten() for k, p in P.items() if k.endswith(suffix) and not k.startswith("recur.")])
+        want = std_resid if suffix in ("o_proj.weight", "down_proj.weight") else 0.02
+        assert pooled.std().item() == pytest.approx(want, rel=4 / math.sqrt(2 * pooled.numel()) + 0.01), suffix
+
+
 def test_materialisation_refuses_buffers_and_broken_ties():
     m = build_model(GPTConfig(vocab_size=97, block_size=16, d_model=32, n_head=2, n_layer=1), device="meta")
     n = len(list(m.parameters()))
@@ -86,9 +107,9 @@ def test_materialisation_refuses_buffers_and_broken_ties():
         _check_materialized(m, n)
 
 
-def run_worker(out: Path, nproc: int, backends: list[str], port: int, *extra: str) -> None:
+def run_worker(out: Path, nproc: int, backends: list[str], port: int, *extra: str, model: dict = TINY) -> None:
     """tests/meta_init_worker.py under torchrun over gloo on this host."""
-    args = [str(WORKER), str(out), json.dumps(TINY), str(SEED), *backends, *extra]
+    args = [str(WORKER), str(out), json.dumps(model), str(SEED), *backends, *extra]
     launch = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
               str(port)]
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
@@ -138,3 +159,27 @@ def test_sharded_builds_equal_the_plain_build(tmp_path):
     for rank in range(2):
         rss = torch.load(tmp_path / "ws2" / f"fsdp-rss-rank{rank}.pt")["rss_mb"]
         assert rss <= model_mb / 2 + largest_mb + 0.1 * model_mb, (rank, rss, model_mb)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_sharded_llama_builds_equal_the_plain_build(tmp_path):
+    """The llama block (GQA, QK-norm, a padded vocabulary) built by fsdp and ZeRO-3 on 2 ranks equals build_model."""
+    model = {**TINY, **TINY_LLAMA}
+    from pipeline.model.configs import MODEL_CONFIGS
+
+    ref_model = build_model(MODEL_CONFIGS["grt"](**model), seed=SEED).eval()
+    ref = ref_model.state_dict()
+    gen = torch.Generator().manual_seed(0)  # the worker's batch
+    idx = torch.randint(0, TINY["vocab_size"], (2, TINY["block_size"] + 1), generator=gen)
+    with torch.no_grad():
+        ref_loss = ref_model(idx[:, :-1], idx[:, 1:])[1].item()
+    run_worker(tmp_path, 2, ["fsdp", "zero3"], free_port(), model=model)
+    for backend in ("fsdp", "zero3"):
+        for rank in range(2):
+            got = torch.load(tmp_path / f"{backend}-rank{rank}.pt")
+            assert got["tied"] and got["tied_after_forward"], (backend, rank)
+            assert got["loss"] == pytest.approx(ref_loss, rel=1e-6), (backend, rank)
+        state = torch.load(tmp_path / f"{backend}-rank0.pt")["state"]
+        assert sorted(state) == sorted(ref), backend
+        assert not [k for k in ref if not torch.equal(state[k], ref[k])], backend

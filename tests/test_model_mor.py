@@ -310,3 +310,92 @@ def test_meta_build_and_accounting():
     assert info["executed_flops_per_token"] == round(run)
     notes = type(meta).flops_notes(cfg)
     assert "1024, 682, 341" in notes[0] and f"{round(run) / eq1:.3f} x Eq. 1" in notes[0]
+
+
+LLAMA = dict(block="llama", bias=False, n_kv_head=2, qk_norm=True, mlp_multiple=16)
+
+
+@pytest.mark.parametrize("block_kind", ["gpt2", "llama"])
+def test_topk_routes_within_each_document(block_kind):
+    """Top-k with documents, by hand row by row and document by document: a document of L tokens chooses the
+    max(1, floor((N - r) L / N)) best of its candidates (Python sort), and the core runs on each document's chosen
+    tokens alone at their own positions in the document; BCE over every candidate. Two recursions (the second
+    choosing among the first's choices)."""
+    from pipeline.model.layers import token_layout
+    from pipeline.model.layout import RotaryAngles
+    from pipeline.model.layout import TokenLayout
+    from pipeline.model.layout import documents_from_eos
+
+    m = small_mor(block_size=32, **(LLAMA if block_kind == "llama" else {})).train()  # dropout 0: train = eval
+    cfg, N = m.cfg, m.cfg.n_recurrence
+    g = torch.Generator().manual_seed(4)
+    idx = torch.randint(0, 90, (2, 24), generator=g)
+    idx[0, [3, 13]], idx[1, 16] = 95, 95  # row 0: documents of 4, 10, 10 tokens; row 1: 17 and 7
+    docs = documents_from_eos(idx, 95)
+    h = torch.randn(2, 24, cfg.d_model, generator=g, dtype=torch.float64)
+    layout = token_layout(cfg, idx, docs=docs)
+    capacity = m._capacity(layout, threshold=False)
+    got, chosen = h, None
+    want, candidates = h.clone(), torch.ones(2, 24, dtype=torch.bool)
+    for r in range(2):
+        got, chosen, bce = m.recur(got, r, chosen, layout=layout, capacity=capacity)
+        w = m.recur.routers[r].weight[0]
+        before, take, bces = want.clone(), torch.zeros(2, 24, dtype=torch.bool), []
+        for b in range(2):
+            for d in docs[b].unique().tolist():
+                where = (docs[b] == d).nonzero().flatten().tolist()
+                k = max(1, (N - r) * len(where) // N)
+                z = {t: (before[b, t] @ w).item() for t in where if candidates[b, t]}
+                pick = sorted(sorted(z, key=lambda t: -z[t])[:k])
+                take[b, pick] = True
+                positions = torch.tensor([[t - where[0] for t in pick]])
+                rope = RotaryAngles(positions, cfg.d_model // cfg.n_head, cfg.rope_theta) if cfg.block == "llama" \
+                    else None
+                o = before[b, pick][None]
+                for blk in m.recur.blocks:
+                    o = blk(o, layout=TokenLayout(positions, None, rope) if rope is not None else None)
+                a = cfg.router_alpha * sigmoid(before[b, pick] @ w)
+                want[b, pick] = before[b, pick] + a[:, None] * o[0]
+                zs = torch.stack([before[b, t] @ w for t in where if candidates[b, t]])
+                member = torch.tensor([float(take[b, t]) for t in where if candidates[b, t]], dtype=torch.float64)
+                bces.append(-(member * torch.log(sigmoid(zs)) + (1 - member) * torch.log(1 - sigmoid(zs))))
+        assert torch.equal(chosen, take), r
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+        torch.testing.assert_close(bce, torch.cat(bces).mean(), rtol=1e-10, atol=1e-12)
+        candidates = take
+
+
+@pytest.mark.parametrize("block_kind", ["gpt2", "llama"])
+def test_threshold_routing_with_documents_equals_each_document_alone(block_kind):
+    """Threshold routing (causal, per token) under document masking: each document's states at every depth are
+    those of the document run alone."""
+    from pipeline.model.layout import documents_from_eos
+
+    m = small_mor(block_size=32, **(LLAMA if block_kind == "llama" else {}))
+    m.routing = "threshold"
+    idx = torch.randint(0, 90, (2, 24), generator=torch.Generator().manual_seed(5))
+    idx[0, [3, 13]], idx[1, 16] = 95, 95
+    docs = documents_from_eos(idx, 95)
+    with torch.no_grad():
+        masked = dict(m.exit_states(idx, [0, 1, 2, 3], docs=docs))
+        for b in range(2):
+            for d in docs[b].unique().tolist():
+                where = (docs[b] == d).nonzero().flatten()
+                for e, alone in m.exit_states(idx[b:b + 1, where], [0, 1, 2, 3]):
+                    torch.testing.assert_close(masked[e][b, where], alone[0], rtol=0, atol=1e-10)
+        frac = m.routing_statistics(idx, docs=docs)["fraction"]
+    assert frac[0] == 1.0 and 0 < frac[2] <= frac[1] < 1  # routers of both signs: some tokens stop
+
+
+def test_llama_accounting():
+    cfg = MoRConfig(vocab_size=97, block_size=16, d_model=32, n_head=4, n_prelude=1, n_core=1, n_coda=1,
+                    n_recurrence=3, **LLAMA)
+    d, S, f, d_kv = 32, 16, 96, 16  # SwiGLU 8/3 d = 85.3 -> 96 (multiple of 16); 2 kv heads of 8
+    weights = d * (2 * d + 2 * d_kv) + 3 * d * f
+    info = model_info(cfg)
+    assert info["params"] == 97 * d + 3 * (weights + 2 * d + 2 * 8) + 3 * d + d  # no wpe; QK-norm; routers; RMSNorm
+    assert info["flops_per_token"] == 5 * (2 * weights + 4 * S * d) + 3 * 2 * d
+    ks, cands = [16, 10, 5], [16, 16, 10]
+    run = 2 * (2 * weights + 4 * S * d) + sum(k / S * 2 * weights + 4 * k * k / S * d for k in ks) \
+        + sum(2 * d * c / S for c in cands)
+    assert info["executed_flops_per_token"] == round(run)

@@ -239,3 +239,36 @@ def test_init_scales_residual_projections_for_one_loop_and_starts_the_gate_near_
     std = m.recur.blocks[0].mlp.c_proj.weight.std().item()
     assert std == pytest.approx(0.02 / math.sqrt(2 * 2), rel=0.05)  # 2 layers per residual stream, not 2 x 4
     assert m.exit_gate.bias.abs().max() == 0 and m.exit_gate.weight.std().item() == pytest.approx(0.02, rel=0.2)
+
+
+LLAMA = dict(block="llama", bias=False, n_kv_head=2, qk_norm=True, mlp_multiple=16, vocab_multiple=128)
+
+
+def test_llama_block_one_loop_is_the_dense_llama_model_and_accounting():
+    """With the llama block one loop is the dense model of the same blocks (its final norm the loop's RMSNorm, the
+    padded vocabulary never predicted), also under document masking; parameters and FLOPs written out by hand."""
+    from pipeline.model.configs import GPTConfig
+    from pipeline.model.layout import documents_from_eos
+
+    kw = dict(vocab_size=97, block_size=16, d_model=32, n_head=4, **LLAMA)
+    cfg = OuroConfig(**kw, n_layer=2, n_recurrence=3, entropy_beta=BETA)
+    m = build_model(cfg, seed=1).double().eval()
+    dense = build_model(GPTConfig(**kw, n_layer=2), seed=2).double().eval()
+    own = {k.replace("recur.", "", 1): v for k, v in m.state_dict().items()}
+    dense.load_state_dict({k: own[k] for k in dense.state_dict()})
+    idx = torch.randint(0, 97, (2, 16), generator=torch.Generator().manual_seed(0))
+    docs = documents_from_eos(idx, 5)
+    for kwargs in ({}, {"docs": docs}):
+        torch.testing.assert_close(m(idx, n_steps=1, **kwargs)[0], dense(idx, **kwargs)[0], rtol=0, atol=0)
+    assert type(m.recur.ln_f).__name__ == "RMSNorm"
+    # the training loss (every loop's head) never predicts the padding: that of the same model without padding
+    unpadded = build_model(OuroConfig(**{**kw, "vocab_multiple": 1}, n_layer=2, n_recurrence=3, entropy_beta=BETA))
+    unpadded.load_state_dict({k: v[:97] if k.endswith(("wte.weight", "lm_head.weight")) else v
+                              for k, v in m.state_dict().items()})
+    targets = torch.roll(idx, -1, 1)
+    torch.testing.assert_close(m.train()(idx, targets)[1], unpadded.double().train()(idx, targets)[1])
+    d, V, S, f, d_kv = 32, 97, 16, 96, 16  # SwiGLU 8/3 d = 85.3 -> 96 (multiple of 16); 2 kv heads of 8
+    block_params = d * (2 * d + 2 * d_kv) + 3 * d * f + 2 * d + 2 * 8  # projections, two RMSNorms, QK-norm
+    assert count_params(m)["params"] == 128 * d + 2 * block_params + d + (d + 1)  # padded embeddings, no wpe
+    per_block = 2 * (d * (2 * d + 2 * d_kv) + 3 * d * f) + 4 * S * d
+    assert Ouro.flops_per_token(cfg, 2, with_head=True) == 4 * per_block + 2 * 2 * d + 2 * d * V

@@ -156,3 +156,113 @@ def test_flops_count_the_memory_key_value_projection():
     layer = 24 * 16 * 16 + 4 * 8 * 16 + 4 * 16 * 16
     assert RecurrentTransformer.flops_per_token(cfg, with_head=True) == 3 * layer + 2 * 16 * 50
     assert RecurrentTransformer.flops_per_token(cfg, 2) == 2 * layer
+
+
+# ---- the llama block (model.block: llama): RMSNorm, rotary, grouped-query heads, QK-norm, SwiGLU
+LLAMA = dict(block="llama", bias=False, n_head=4, n_kv_head=2, qk_norm=True, mlp_multiple=16, rope_theta=500.0)
+
+
+def rms(z, w):
+    return z / torch.sqrt(z.pow(2).mean(-1, keepdim=True) + 1e-6) * w
+
+
+def rotate(z, pos, theta):
+    """Rotary of one head's vector z [B, hd] at position ``pos``: dimension i paired with i + hd/2, in float64."""
+    hd = z.shape[-1]
+    ang = pos * theta ** (-torch.arange(0, hd, 2, dtype=torch.float64) / hd)
+    z1, z2 = z[..., : hd // 2], z[..., hd // 2:]
+    return torch.cat([z1 * ang.cos() - z2 * ang.sin(), z2 * ang.cos() + z1 * ang.sin()], -1)
+
+
+def by_hand_llama(m, idx, own_key=True):
+    """Logits of the llama self-KV definition: query of the input at t, own key/value of the input at t, memory
+    keys/values of the layer's outputs at s < t, each key rotated by its own position, query head h reading kv
+    head h // (H / H_kv); explicit loops."""
+    cfg = m.cfg
+    C, H, Hkv = cfg.d_model, cfg.n_head, cfg.n_kv_head
+    hd, group = C // H, H // Hkv
+    x = m.embed.wte.weight[idx]
+    for blk in m.blocks:
+        a = blk.attn
+
+        def keyval(z, pos):
+            n = rms(z, blk.ln_1.weight)
+            k = [rotate(rms(kk, a.k_norm.weight), pos, cfg.rope_theta) for kk in (n @ a.k_proj.weight.T).split(hd, -1)]
+            return k, list((n @ a.v_proj.weight.T).split(hd, -1))
+
+        mem, ys = [], []
+        for t in range(idx.shape[1]):
+            n = rms(x[:, t], blk.ln_1.weight)
+            qs = [rotate(rms(qq, a.q_norm.weight), t, cfg.rope_theta) for qq in (n @ a.q_proj.weight.T).split(hd, -1)]
+            keys = ([keyval(x[:, t], t)] if own_key else []) + mem
+            heads = []
+            for h in range(H):
+                if not keys:
+                    heads.append(torch.zeros_like(qs[h]))
+                    continue
+                s = torch.stack([(qs[h] * k[h // group]).sum(-1) / math.sqrt(hd) for k, _ in keys], -1)
+                p = torch.softmax(s, -1)
+                heads.append(sum(p[:, j:j + 1] * keys[j][1][h // group] for j in range(len(keys))))
+            y = x[:, t] + torch.cat(heads, -1) @ a.o_proj.weight.T
+            n2 = rms(y, blk.ln_2.weight)
+            f = blk.mlp
+            y = y + (F.silu(n2 @ f.gate_proj.weight.T) * (n2 @ f.up_proj.weight.T)) @ f.down_proj.weight.T
+            mem.append(keyval(y, t))
+            ys.append(y)
+        x = torch.stack(ys, 1)
+    return rms(x, m.ln_f.weight) @ m.embed.wte.weight.T
+
+
+@pytest.mark.parametrize("prefill,tile", [("reference", 64), ("tiled", 3)])
+@pytest.mark.parametrize("own_key", ["input", "none"])
+def test_llama_logits_equal_the_hand_written_definition(prefill, tile, own_key):
+    """Tolerance 1e-6: the layout holds the rotary cos/sin in fp32 (as Hugging Face), the reference in float64."""
+    m = make(prefill=prefill, tile=tile, own_key=own_key, **LLAMA)
+    idx = torch.randint(0, 61, (2, 11))
+    logits, _ = m(idx)
+    torch.testing.assert_close(logits, by_hand_llama(m, idx, own_key == "input"), rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("prefill", ["tiled", "reference"])
+def test_llama_decode_with_a_cache_equals_one_full_pass(prefill):
+    """The cache holds the n_kv_head heads of each token's memory keys (rotated at their positions) and values."""
+    m = make(prefill=prefill, tile=2, **LLAMA).eval()
+    idx = torch.randint(0, 61, (2, 12))
+    full = m(idx)[0]
+    cache = KVCache(max_len=12)
+    got = [m(idx[:, :5], cache=cache)[0]] + [m(idx[:, t:t + 1], cache=cache)[0] for t in range(5, 12)]
+    torch.testing.assert_close(torch.cat(got, 1), full, rtol=0, atol=1e-10)
+
+
+@pytest.mark.parametrize("block", ["gpt2", "llama"])
+@pytest.mark.parametrize("prefill,own_key", [("reference", "input"), ("tiled", "none")])
+def test_document_masked_memory_equals_each_document_alone(block, prefill, own_key):
+    """The self-KV memory stays inside each document: masked logits equal each document run alone, with the
+    prefill and own_key that tests/test_document_masking.py does not take (tile 3: cross-tile and in-tile keys)."""
+    m = make(prefill=prefill, tile=3, own_key=own_key, **(LLAMA if block == "llama" else {})).eval()
+    idx = torch.randint(0, 61, (2, 14))
+    docs = torch.tensor([[0] * 5 + [1] * 4 + [2] * 5, [0] * 9 + [1] * 5])
+    with torch.no_grad():
+        masked = m(idx, docs=docs)[0]
+        for b in range(2):
+            for d in docs[b].unique():
+                where = (docs[b] == d).nonzero().flatten()
+                alone = m(idx[b:b + 1, where])[0]
+                torch.testing.assert_close(masked[b, where], alone[0], rtol=0, atol=1e-10)
+
+
+def test_llama_flops_and_parameters_count_the_grouped_memory_projections():
+    """Per layer the llama block's 2 x (d(2d + 2 d_kv) + 3df) + 4Sd plus its memory keys/values 2 x 2 d d_kv, by
+    hand at d 16, 4 heads, 1 kv head (d_kv 4), f 48 (8/3 d rounded up to 16), S 8; the parameters equal the dense
+    llama model's."""
+    from pipeline.model.configs import GPTConfig
+    from pipeline.model.recurrent_transformer import RecurrentTransformer
+
+    shape = {**SMALL, "block_size": 8, "vocab_size": 50, **LLAMA, "n_kv_head": 1}
+    cfg = RecurrentTransformerConfig(**shape)
+    d, d_kv, f = 16, 4, 48
+    layer = 2 * (d * (2 * d + 2 * d_kv) + 3 * d * f) + 4 * 8 * d + 4 * d * d_kv
+    assert RecurrentTransformer.flops_per_token(cfg, with_head=True) == 2 * layer + 2 * d * 50
+    assert f"+{2 * 4 * d * d_kv:,} FLOPs/token" in RecurrentTransformer.flops_notes(cfg)[0]
+    dense = GPTConfig(**shape)
+    assert count_params(build_model(cfg, device="meta")) == count_params(build_model(dense, device="meta"))

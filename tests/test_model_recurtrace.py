@@ -312,3 +312,123 @@ def test_a_head_that_could_not_learn_is_refused():
     problems = RecurTraceConfig(halt_coef=0.0, n_recurrence=1).validate()
     assert any(p.startswith("model.halt_coef must be > 0 (default 0.1), got 0.0") for p in problems), problems
     assert any(p.startswith("model.n_recurrence must be >= 2 for recurtrace, got 1") for p in problems), problems
+
+
+# ---- the llama block (model.block: llama) and document masking
+LLAMA = dict(block="llama", bias=False, n_head=4, n_kv_head=2, qk_norm=True, mlp_multiple=16, rope_theta=500.0)
+
+
+def rotate(z, pos, theta):
+    """Rotary of one head's vector z [hd] at position ``pos``: dimension i paired with i + hd/2, in float64."""
+    hd = z.shape[-1]
+    ang = pos * theta ** (-torch.arange(0, hd, 2, dtype=torch.float64) / hd)
+    z1, z2 = z[: hd // 2], z[hd // 2:]
+    return torch.cat([z1 * ang.cos() - z2 * ang.sin(), z2 * ang.cos() + z1 * ang.sin()])
+
+
+def llama_attention_by_hand(attn, x, memory, mode, theta):
+    """:func:`attention_by_hand` for the llama projections: QK-norm, q and k rotated at their positions (the loop
+    memory holds keys already rotated at the token's own position), query head h reading kv head h // group."""
+    B, T, C = x.shape
+    H, Hkv = attn.n_head, attn.n_kv_head
+    hd, group = C // H, H // Hkv
+    q, k, v = x @ attn.q_proj.weight.T, x @ attn.k_proj.weight.T, x @ attn.v_proj.weight.T
+    nq = lambda z: z / torch.sqrt(z.pow(2).mean() + 1e-6) * attn.q_norm.weight  # noqa: E731
+    nk = lambda z: z / torch.sqrt(z.pow(2).mean() + 1e-6) * attn.k_norm.weight  # noqa: E731
+    out = torch.zeros_like(x)
+    for b in range(B):
+        for t in range(T):
+            for h in range(H):
+                g = h // group
+                qh = rotate(nq(q[b, t, h * hd:(h + 1) * hd]), t, theta)
+                kv_sl = slice(g * hd, (g + 1) * hd)
+                causal = ([rotate(nk(k[b, s, kv_sl]), s, theta) for s in range(t + 1)],
+                          [v[b, s, kv_sl] for s in range(t + 1)])
+                loop = ([mk[b, g, t] for mk, _ in memory], [mv[b, g, t] for _, mv in memory])
+                groups = [(causal[0] + loop[0], causal[1] + loop[1])] if mode == "union" else [causal, loop]
+                for keys, vals in groups:
+                    if not keys:
+                        continue
+                    p = torch.softmax(torch.stack([(qh * kk).sum() / math.sqrt(hd) for kk in keys]), 0)
+                    out[b, t, h * hd:(h + 1) * hd] += sum(p[j] * vals[j] for j in range(len(keys)))
+    return out @ attn.o_proj.weight.T
+
+
+@pytest.mark.parametrize("mode", ["union", "separate"])
+def test_llama_loop_memory_attention_equals_the_per_token_reference(mode):
+    """Tolerance 1e-6: the layout holds the rotary cos/sin in fp32 (as Hugging Face), the reference in float64."""
+    from pipeline.model.layers import token_layout
+
+    m = make(loop_memory=mode, **LLAMA)
+    attn = m.recur.blocks[0].attn
+    x = torch.randn(2, 5, 16, dtype=torch.float64)
+    layout = token_layout(m.cfg, torch.zeros(2, 5, dtype=torch.long))
+    memory = [(torch.randn(2, 2, 5, 4, dtype=torch.float64), torch.randn(2, 2, 5, 4, dtype=torch.float64))
+              for _ in range(2)]
+    got, _ = attn(x, memory, layout=layout)
+    torch.testing.assert_close(got, llama_attention_by_hand(attn, x, memory, mode, 500.0), rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("mode", ["union", "separate"])
+def test_llama_decode_with_a_cache_equals_one_full_pass(mode):
+    m = make(loop_memory=mode, **LLAMA).eval()
+    idx = torch.randint(0, 61, (2, 9))
+    full = m(idx, n_steps=3)[0]
+    cache = KVCache(max_len=9)
+    got = [m(idx[:, :4], n_steps=3, cache=cache)[0]] + [m(idx[:, t:t + 1], n_steps=3, cache=cache)[0]
+                                                         for t in range(4, 9)]
+    torch.testing.assert_close(torch.cat(got, 1), full, rtol=0, atol=1e-10)
+
+
+@pytest.mark.parametrize("block", ["gpt2", "llama"])
+@pytest.mark.parametrize("mode", ["separate", "none"])
+def test_document_masked_forward_equals_each_document_alone(block, mode):
+    """Positional attention stays inside each document with the loop memory modes that
+    tests/test_document_masking.py does not take (it runs union): logits at a fixed depth equal each document
+    alone."""
+    m = make(loop_memory=mode, **(LLAMA if block == "llama" else {})).eval()
+    idx = torch.randint(0, 61, (2, 12))
+    docs = torch.tensor([[0] * 4 + [1] * 3 + [2] * 5, [0] * 7 + [1] * 5])
+    with torch.no_grad():
+        masked = m(idx, n_steps=3, docs=docs)[0]
+        for b in range(2):
+            for d in docs[b].unique():
+                where = (docs[b] == d).nonzero().flatten()
+                torch.testing.assert_close(masked[b, where], m(idx[b:b + 1, where], n_steps=3)[0][0], rtol=0,
+                                           atol=1e-10)
+
+
+def test_sequence_halting_takes_its_mean_per_document():
+    """halt_mode=sequence with documents: each document stops when its own tokens' mean P(continue) does, so the
+    masked forward's loops and logits equal each document run alone; the threshold is midway between two documents'
+    mean P after loop 1 (taken from the separate runs), so the documents stop at different loops."""
+    m = make(halt_mode="sequence").eval()
+    torch.manual_seed(1)
+    idx = torch.randint(0, 61, (2, 12))
+    docs = torch.tensor([[0] * 4 + [1] * 3 + [2] * 5, [0] * 7 + [1] * 5])
+    parts = [(b, (docs[b] == d).nonzero().flatten()) for b in range(2) for d in docs[b].unique()]
+    with torch.no_grad():
+        means = sorted(float(torch.sigmoid(m.halt_logit(next(m.iterate(m.encode(idx[b:b + 1, w]), 1)))).mean())
+                       for b, w in parts)
+        m.cfg.halt_threshold = (means[1] + means[2]) / 2
+        masked = m(idx, docs=docs)[0]
+        loops = m.last_loops.clone()
+        for b, w in parts:
+            torch.testing.assert_close(masked[b, w], m(idx[b:b + 1, w])[0][0], rtol=0, atol=1e-10)
+            assert torch.equal(loops[b, w], m.last_loops[0])
+    assert len(loops.unique()) > 1  # the documents did stop at different loops
+
+
+def test_llama_flops_count_the_llama_blocks():
+    """1+1x4+2 with the llama block at d 16, 4 heads, 1 kv head (d_kv 4), f 48, S 8, V 61: per block
+    2 x (d(2d + 2 d_kv) + 3df) + 4Sd; the loop memory 4d per earlier iteration per looped layer, the halting
+    head 2d per loop; the oracle's readouts coda + head."""
+    from pipeline.model.recurtrace import RecurTrace
+
+    cfg = RecurTraceConfig(vocab_size=61, block_size=8, d_model=16, n_head=4, n_prelude=1, n_core=1, n_coda=2,
+                           n_recurrence=4, **{**{k: v for k, v in LLAMA.items() if k != "n_head"}, "n_kv_head": 1})
+    d, d_kv, f, S, V = 16, 4, 48, 8, 61
+    block = 2 * (d * (2 * d + 2 * d_kv) + 3 * d * f) + 4 * S * d
+    fwd = 7 * block + 4 * d * (0 + 1 + 2 + 3) + 2 * d * 4 + 2 * d * V
+    assert RecurTrace.flops_per_token(cfg, with_head=True) == fwd
+    assert RecurTrace.training_flops_per_token(cfg, 4) == 3 * fwd + 3 * (2 * block + 2 * d * V)

@@ -298,3 +298,60 @@ def test_depth_past_the_last_lora_is_refused():
         m(idx, n_steps=4)
     with pytest.raises(ValueError, match="n_recurrence"):
         list(m.exit_states(idx, [5]))
+
+
+LLAMA = dict(block="llama", bias=False, n_kv_head=2, qk_norm=True, mlp_multiple=16)
+LLAMA_PROJECTIONS = ("attn.q_proj", "attn.k_proj", "attn.v_proj", "attn.o_proj", "mlp.gate_proj", "mlp.up_proj",
+                     "mlp.down_proj")
+
+
+@pytest.mark.parametrize("with_docs", [False, True])
+def test_llama_core_equals_the_dense_llama_model_with_each_recursions_lora_merged(with_docs):
+    """With the llama block, exit e is the dense llama model of prelude, the core with recursion r's LoRA merged
+    into its weights (W + (alpha / rank) B_r A_r) for r = 0..e-1, and coda: every one of the seven projections
+    relaxed, the LoRAs of recursions past e unused; under document masking too."""
+    from pipeline.model.configs import GPTConfig
+    from pipeline.model.layout import documents_from_eos
+
+    m = small_rrt(n_core=1, **LLAMA)
+    cfg = m.cfg
+    P, scale = params(m), cfg.lora_alpha / cfg.lora_rank
+    idx, _ = batch(cfg)
+    docs = {"docs": documents_from_eos(idx, 7)} if with_docs else {}
+    for e in range(1, cfg.n_recurrence + 1):
+        dense = build_model(GPTConfig(**{k: getattr(cfg, k) for k in ("vocab_size", "block_size", "d_model",
+                                                                        "n_head", *LLAMA)}, n_layer=e + 2)).double()
+        merged = {"embed.wte.weight": P["embed.wte.weight"], "lm_head.weight": P["embed.wte.weight"],
+                  "ln_f.weight": P["ln_f.weight"]}
+        layers = ["prelude.0"] + [f"recur.blocks.0@{r}" for r in range(e)] + ["coda.0"]
+        for j, layer in enumerate(layers):
+            src, _, r = layer.partition("@")
+            for name in dense.blocks[j].state_dict():
+                w = P[f"{src}.{name}"]
+                lora = f"{src}.{name.removesuffix('.weight')}.lora_"
+                if r and name.removesuffix(".weight") in LLAMA_PROJECTIONS:
+                    w = w + scale * P[f"{lora}B.{r}.weight"] @ P[f"{lora}A.{r}.weight"]
+                merged[f"blocks.{j}.{name}"] = w
+        dense.load_state_dict(merged)
+        torch.testing.assert_close(m(idx, n_steps=e, **docs)[0], dense.eval()(idx, **docs)[0], rtol=1e-10,
+                                   atol=1e-10)
+
+
+def test_llama_parameter_count_and_accounting():
+    """LoRA on the seven llama projections: rank (d_in + d_out) each, per recursion and core block; the shared
+    model is GRT's strictly shared llama model (no re-injection, no gate); FLOPs written out by hand."""
+    cfg = small_cfg(n_recurrence=4, lora_rank=3, vocab_multiple=128, **LLAMA)
+    m = build_model(cfg, device="meta")
+    d, rank, d_kv, f, S, V = 32, 3, 16, 96, 16, 97  # 2 kv heads of 8; SwiGLU 8/3 d = 85.3 -> 96
+    dims = 2 * d + 2 * (d + d_kv) + 2 * d + 3 * (d + f)  # q, k, v, o; gate, up, down
+    lora = 4 * 2 * rank * dims
+    assert sum(p.numel() for k, p in m.named_parameters() if ".lora_" in k) == lora == RRT.lora_params(cfg)
+    shared = GRTConfig(vocab_size=V, block_size=S, d_model=d, n_head=4, n_prelude=1, n_core=2, n_coda=1,
+                       n_recurrence=4, reinject=False, gate="none", vocab_multiple=128, **LLAMA)
+    n = count_params(build_model(shared, device="meta"))["params"]
+    assert count_params(m)["params"] == n + lora == model_info(cfg)["params"] and RRT.shared_params(cfg) == n
+    assert f"{lora:,}" in RRT.flops_notes(cfg)[1] and f"{n + lora:,}" in RRT.flops_notes(cfg)[1]
+    per_block = 2 * (d * (2 * d + 2 * d_kv) + 3 * d * f) + 4 * S * d
+    # exit 2: 1 + 2 x 2 + 1 blocks; 2 recursions x 2 core blocks of LoRA matmuls, 2 rank (d_in + d_out) each
+    assert RRT.flops_per_token(cfg, 2, with_head=True) == 6 * per_block + 2 * 2 * 2 * rank * dims + 2 * d * V
+    assert "7 projections" in RRT.flops_notes(cfg)[0]

@@ -142,3 +142,42 @@ def test_loader_resumes_exactly_once_across_a_2_to_1_world_size_change(tmp_path,
     while len(seen) < n:
         seen += [i for _k, i in one.next_indices()]
     assert sorted(seen[:n]) == list(range(n))  # every window exactly once over the epoch
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type, mode", [("gpt", "none"), ("gpt", "blocks"), ("grt", "core_step"),
+                                              ("grt", "blocks")])
+def test_compiled_checkpointed_llama_blocks_take_each_document_layout_without_recompiling(model_type, mode):
+    """Llama blocks with document masking, checkpointed and compiled (the loop eager): no graph break, no new graph
+    after the first batch although every batch has other documents, and the gradients of the eager model."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    from pipeline.model.layout import documents_from_eos
+    from pipeline.train.parallelize import apply_compile
+    from test_document_masking import EOS
+    from test_document_masking import small
+
+    cfg = small(model_type, "llama")
+    eager, compiled = build_model(cfg, seed=0), build_model(cfg, seed=0)
+    apply_activation_checkpointing(compiled, mode)
+    torch._dynamo.reset()
+    counters.clear()
+    apply_compile(compiled, backend="aot_eager")
+    kw = {"n_steps": R} if model_type == "grt" else {}
+    frames = []
+    for step in range(3):
+        idx = torch.randint(0, EOS, (2, 24), generator=torch.Generator().manual_seed(step))
+        idx[0, 3 + 4 * step], idx[1, 17 - 3 * step] = EOS, EOS  # the documents move every batch
+        docs = documents_from_eos(idx, EOS)
+        got = {}
+        for name, model in (("eager", eager), ("compiled", compiled)):
+            model.zero_grad(set_to_none=True)
+            torch.manual_seed(step)  # GRT's noise
+            model(idx, idx, docs=docs, **kw)[1].backward()
+            got[name] = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+        for n, g in got["eager"].items():
+            torch.testing.assert_close(got["compiled"][n], g, rtol=1e-4, atol=1e-6, msg=n)
+        frames.append(counters["frames"]["total"])
+    assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
+    assert frames[0] == frames[-1] > 0, frames  # the graphs of the first batch serve the next ones

@@ -110,7 +110,7 @@ def test_loader_visits_every_window_once_per_epoch(tmp_path, corpus, world):
     assert seen[:n] != seen[n:2 * n]
     # the batches hold those windows: inputs and targets shifted by one token
     ld = SequenceLoader(shards, 32, 2, seed=5)
-    x, y = ld.next_batch()
+    x, y, _ = ld.next_batch()
     first = [i for _k, i in SequenceLoader(shards, 32, 2, seed=5).next_indices()]
     for row, i in zip(x, first):
         s, o = shards.window_index(32)[i]

@@ -39,6 +39,7 @@ from pipeline.model.configs import PoissonConfig
 from pipeline.model.configs import RecurrentTransformerConfig
 from pipeline.model.configs import RecurTraceConfig
 from pipeline.model.configs import RRTConfig
+from pipeline.model.layout import TokenLayout
 from pipeline.train import parallelize as par
 
 REPO_RECIPES = Path(__file__).resolve().parents[1] / "recipes"
@@ -51,9 +52,10 @@ def _storage(t: torch.Tensor) -> tuple[int, int]:
 
 
 def measure_activations(model_cfg, micro_batch: int, mode: str, seed: int = 0,
-                        n_steps: int | None = None) -> tuple[int, int]:
+                        n_steps: int | None = None, docs: bool = False) -> tuple[int, int]:
     """(bytes saved for backward by one training forward at depth ``n_steps`` (None: the model's default), bytes of
-    the largest checkpointed region when recomputed)."""
+    the largest checkpointed region when recomputed); ``docs``: under document masking (a new document every T/3
+    tokens)."""
     torch.manual_seed(seed)
     model = build_model(model_cfg)
     model.train()
@@ -78,7 +80,9 @@ def measure_activations(model_cfg, micro_batch: int, mode: str, seed: int = 0,
     def counting_checkpoint(fn, *args, **kwargs):
         # What the checkpoint holds: every tensor among the region's inputs.
         inputs = {}
-        for t in pytree.tree_leaves((args, kwargs)):
+        # (the rotary angles the forward's TokenLayout hands every block are held through the forward: count them)
+        layouts = [x for x in (*args, *kwargs.values()) if isinstance(x, TokenLayout) and x.rope is not None]
+        for t in pytree.tree_leaves((args, kwargs)) + [t for x in layouts for t in (x.rope.cos, x.rope.sin)]:
             if isinstance(t, torch.Tensor) and _storage(t)[0] not in params and _storage(t)[1]:
                 inputs[_storage(t)[0]] = _storage(t)[1]
         for ptr, n in inputs.items():  # held by the checkpoint, by reference: alive whatever saves it
@@ -102,7 +106,8 @@ def measure_activations(model_cfg, micro_batch: int, mode: str, seed: int = 0,
         idx = torch.randint(0, model_cfg.vocab_size, (B, T))
         tgt = torch.randint(0, model_cfg.vocab_size, (B, T))
         with torch.autograd.graph.saved_tensors_hooks(record(saved, set()), lambda t: t):
-            _, loss = model(idx, tgt, n_steps=n_steps)
+            kw = {"docs": torch.arange(T).expand(B, T) * 3 // T} if docs else {}
+            _, loss = model(idx, tgt, n_steps=n_steps, **kw)
         total = held(saved)
         loss.backward()  # the graph is real: backward runs through every checkpoint
     finally:
@@ -165,8 +170,34 @@ DENSE_SHAPES = {
     "recurrent_transformer 1L T40 tile6 no-own-key d48": (RecurrentTransformerConfig(
         vocab_size=96, block_size=40, d_model=48, n_head=3, n_layer=1, tile=6, own_key="none"), 2),
 }
+# The llama block (GQA, QK-norm or not, SwiGLU's rounded hidden size) and document masking (" docs": SDPA's mask)
+_LLAMA = dict(block="llama", bias=False, n_kv_head=2, mlp_multiple=16)
+LLAMA_SHAPES = {
+    "gpt llama 3L d64": (GPTConfig(vocab_size=512, block_size=64, d_model=64, n_head=4, n_layer=3, **_LLAMA), 2),
+    "gpt llama qk-norm 2L d48 docs": (GPTConfig(vocab_size=256, block_size=48, d_model=48, n_head=3, n_layer=2,
+                                                **{**_LLAMA, "n_kv_head": 1, "qk_norm": True}), 2),
+    "gpt 2L d64 docs": (GPTConfig(vocab_size=512, block_size=64, d_model=64, n_head=4, n_layer=2), 2),
+    "grt llama 1+2x3+1 d64": (GRTConfig(vocab_size=512, block_size=64, d_model=64, n_head=4, n_prelude=1, n_core=2,
+                                        n_coda=1, n_recurrence=3, **_LLAMA), 2),
+    "grt llama qk-norm 1+1x4+1 d48 docs": (GRTConfig(vocab_size=256, block_size=48, d_model=48, n_head=3,
+                                                     n_prelude=1, n_core=1, n_coda=1, n_recurrence=4,
+                                                     **{**_LLAMA, "n_kv_head": 3, "qk_norm": True}), 2),
+    "poisson llama 1+2x4+1 k3 d32 docs": (PoissonConfig(vocab_size=128, block_size=32, d_model=32, n_head=2,
+                                                        n_prelude=1, n_core=2, n_coda=1, n_recurrence=4,
+                                                        backprop_steps=3, **_LLAMA), 2),
+    "rrt llama 1+2x3+1 rank8 d32 docs": (RRTConfig(vocab_size=128, block_size=32, d_model=32, n_head=2,
+                                                   n_prelude=1, n_core=2, n_coda=1, n_recurrence=3, lora_rank=8,
+                                                   **_LLAMA), 2),
+    "mor llama 1+2x3+1 T30 d32": (MoRConfig(vocab_size=128, block_size=30, d_model=32, n_head=2, n_prelude=1,
+                                            n_core=2, n_coda=1, n_recurrence=3, **_LLAMA), 2),
+    "ouro llama 2Lx3 d32 docs": (OuroConfig(vocab_size=128, block_size=32, d_model=32, n_head=2, n_layer=2,
+                                            n_recurrence=3, **_LLAMA), 2),
+    "grt 1+1x3+1 d32 docs": (GRTConfig(vocab_size=128, block_size=32, d_model=32, n_head=2, n_prelude=1, n_core=1,
+                                       n_coda=1, n_recurrence=3), 2),
+}
 CASES = [(name, mode) for name in {**GRT_SHAPES, **METHOD_SHAPES} for mode in ("none", "core_step", "blocks")]
 CASES += [(name, mode) for name in DENSE_SHAPES for mode in ("none", "blocks")]
+CASES += [(name, mode) for name in LLAMA_SHAPES for mode in ("none", "blocks", "core_step")[:2 + (name[:3] != "gpt")]]
 # Every row matches what it measures (est / measured - 1, saved and peak; torch 2.13 CPU fp32) within MARGIN; each
 # measures within 0.03%: the estimate is derived term by term from what autograd saves and misses only a few
 # per-head scalars (the wrapped Python scale factor: 0-128 bytes). A dropped term moves a row by far more (two gate
@@ -180,7 +211,7 @@ MARGIN = 1e-3
 
 
 def _case(name):
-    return {**GRT_SHAPES, **METHOD_SHAPES, **DENSE_SHAPES}[name]
+    return {**GRT_SHAPES, **METHOD_SHAPES, **DENSE_SHAPES, **LLAMA_SHAPES}[name]
 
 
 def _measured_depth(cfg) -> int | None:
@@ -192,8 +223,9 @@ def test_activation_estimate_matches_measured(name, mode):
     """Saved bytes and peak (saved + one recomputed region) of launch/memory_rows.py vs measured, fp32 on CPU: each row
     within 0.1 percentage point (CPU_ONLY added to the estimate)."""
     cfg, B = _case(name)
-    saved, region = measure_activations(cfg, B, mode, n_steps=_measured_depth(cfg))
-    est = memory_rows.activation_bytes(cfg, B, mode, a=4, s=4)
+    docs = name.endswith(" docs")
+    saved, region = measure_activations(cfg, B, mode, n_steps=_measured_depth(cfg), docs=docs)
+    est = memory_rows.activation_bytes(cfg, B, mode, a=4, s=4, document_masking=docs)
     est.saved += CPU_ONLY.get(cfg.type, lambda *_: 0)(cfg, B)
     print(f"{name:32s} {mode:9s} saved measured {saved:>10,} est {est.saved:>12,.0f} ({est.saved / saved - 1:+.1%})"
           f"  peak measured {saved + region:>10,} est {est.peak:>12,.0f} ({est.peak / (saved + region) - 1:+.1%})")

@@ -401,8 +401,8 @@ def test_mixture_samples_in_proportion_and_resumes_exactly(tmp_path):
     cont = SequenceLoader(shards, 16, 4, seed=3, weights=[3.0, 1.0])
     cont.load_state_dict(json.loads(json.dumps(state)))
     for _ in range(50):
-        x, y = ref.next_batch()
-        x2, y2 = cont.next_batch()
+        x, y, _ = ref.next_batch()
+        x2, y2, _ = cont.next_batch()
         assert np.array_equal(x, x2) and np.array_equal(y, y2)
 
 

@@ -108,7 +108,7 @@ def test_loader_pins_its_batches_when_asked(monkeypatch, tmp_path, corpus):
     plain_loader = SequenceLoader(shards, 16, 3, seed=9)
     pinned_loader = SequenceLoader(shards, 16, 3, seed=9, pin_memory=True)
     for _ in range(3):
-        (x, y), (px, py) = plain_loader.next_batch(), pinned_loader.next_batch()
+        (x, y, _), (px, py, _) = plain_loader.next_batch(), pinned_loader.next_batch()
         assert torch.equal(x, px) and torch.equal(y, py)
         if torch.cuda.is_available():
             assert px.is_pinned() and py.is_pinned() and not x.is_pinned()

@@ -60,7 +60,7 @@ class DataConfig:
     # Optional separate validation sources; when given, every document of `sources` goes to training.
     validation_sources: list[SourceConfig] = field(default_factory=list)
     dataset_dir: str = "data/stdlib"  # tokenized shards + manifest.json
-    tokenizer: str = "gpt2"
+    tokenizer: str = "gpt2"  # gpt2 | a Hugging Face tokenizer.json | a tiktoken .tiktoken file (tokenize/tokenizers.py)
     shard_tokens: int = 1 << 24  # tokens per shard file
     val_fraction: float = 0.01  # share of documents held out for validation (by content hash)
     dedup: bool = True  # drop exact duplicate documents (after whitespace normalisation), across all sources
@@ -71,6 +71,10 @@ class DataConfig:
     # What training checks of its datasets before step 1: size (every shard's length against the manifest: cheap) |
     # full (also every shard's sha256 and every token id below the vocabulary: reads all the data once)
     verify: str = "size"
+    # Attention stays inside each document of a window and positions restart at each document (the loader reads
+    # document starts from the shards' .idx files, EOS where a dataset has none; see pipeline/train/data.py).
+    # false: a window is one sequence, as GPT-2 and the paper train.
+    document_masking: bool = False
 
     def training_datasets(self) -> tuple[list[str], list[float]]:
         """The datasets training samples from, with weights: ``mixture`` or ``dataset_dir`` alone. The first one's
@@ -87,7 +91,9 @@ class DataConfig:
             p += s.validate(f"data.sources[{i}]")
         for i, s in enumerate(self.validation_sources):
             p += s.validate(f"data.validation_sources[{i}]")
-        p += choice("data.tokenizer", self.tokenizer, ["gpt2"])
+        if self.tokenizer != "gpt2" and not self.tokenizer.endswith((".json", ".tiktoken")):  # see tokenizers.py
+            p.append(f"data.tokenizer={self.tokenizer!r}: give 'gpt2', a Hugging Face tokenizer.json path (*.json) or "
+                     f"a tiktoken BPE file (*.tiktoken)")
         p += choice("data.verify", self.verify, ["size", "full"])
         if self.shard_tokens < 1024:
             p.append(f"data.shard_tokens={self.shard_tokens} is too small (minimum 1024)")
@@ -260,6 +266,12 @@ class EvalConfig:
     analysis_tokens: int = 4096  # tokens whose states feed CKA / effective rank (SVDs of [tokens, d] matrices)
     trace_prompts: list[str] = field(default_factory=lambda: [  # Figure 4: next-token probability at every step
         "The capital of France is", "2 + 2 =", "Once upon a time, there was a"])
+    # the validation windows' length for the exit curve and val_loss (default model.block_size); longer than trained
+    # needs positions that extrapolate (model.block: llama, rotary); the gpt2 block's learned ones stop at block_size
+    block_size: Optional[int] = None
+    # loss against context length: the loss at the trained depth on validation windows of each of these lengths (and
+    # of model.block_size), printed one line per length and saved as "context" in exits.json; [] = none
+    context_lengths: list[int] = field(default_factory=list)
 
     def validate(self) -> list[str]:
         p = []
@@ -278,6 +290,9 @@ class EvalConfig:
             p.append("eval.val_tokens, eval.batch_size and eval.task_batch_size must be >= 1")
         if any(d < 1 for d in self.task_depths):
             p.append(f"eval.task_depths must all be >= 1, got {self.task_depths}")
+        if (self.block_size is not None and self.block_size < 1) or any(n < 1 for n in self.context_lengths):
+            p.append(f"eval.block_size and eval.context_lengths must be >= 1, got {self.block_size}, "
+                     f"{self.context_lengths}")
         if self.task_limit is not None and self.task_limit < 1:
             p.append(f"eval.task_limit must be >= 1, got {self.task_limit}")
         for t in self.tasks:
@@ -347,6 +362,11 @@ class RunConfig:
         if limit is not None and deepest > limit >= 1:
             p.append(f"eval.max_steps / eval.task_depths go to {deepest}, past the deepest exit of model.type="
                      f"{self.model.type} ({limit}); set them to at most {limit}")
+        longest = max([self.eval.block_size or 0, *self.eval.context_lengths])
+        if self.model.block == "gpt2" and longest > self.model.block_size:
+            p.append(f"eval.block_size / eval.context_lengths go to {longest}, past model.block_size="
+                     f"{self.model.block_size}: the gpt2 block's learned positions stop there (the llama block's "
+                     f"rotary ones do not); set them to at most {self.model.block_size}")
         p += self.model.validate() + self.data.validate() + self.train.validate() + self.eval.validate()
         p += self.tracking.validate()
         return p

@@ -13,6 +13,8 @@ import torch
 from pipeline.infer.precision import exact_fp32
 from pipeline.infer.precision import inference_precision
 from pipeline.model import model_class
+from pipeline.model.layers import predicted_weight
+from pipeline.train.data import batch_parts
 
 CPU_HEAD_CHUNK = 256  # rows: the [chunk, V] buffers stay small enough for the CPU's caches
 HEAD_BUDGET_BYTES = 1 << 30  # CUDA: at most this much for the head's buffers (and a quarter of the free memory)
@@ -102,24 +104,25 @@ def exit_curve(model, batches, exits: list[int], ref: int, device: torch.device,
     With ``keep_tokens`` the per-token losses [tokens, exits] and target ids are returned too (for the
     frequency-band and difficulty-decile breakdowns). ``noise``: the model's training noise on (``eval.noise``; the
     caller seeds the global RNG), for the model types whose ``exit_states`` take it. ``dtype``: the forward's
-    precision (``eval.dtype``, :mod:`pipeline.infer.precision`; None: as the caller has it).
+    precision (``eval.dtype``, :mod:`pipeline.infer.precision`; None: as the caller has it). A batch is a
+    :class:`~pipeline.train.data.Batch` (its ``docs`` go to the model under document masking) or (inputs, targets).
 
     The sums stay on ``device`` and come to the host once, at the end (with ``keep_tokens`` the per-token losses
     come once per batch)."""
     model.eval()
     exits = sorted(set(exits) | {ref})
-    weight = model.lm_head.weight
+    weight = predicted_weight(model.lm_head)
     chunk = head_chunk(weight.shape[0], device)
     # rows: loss, KL, top-1 agreements, gate mean x tokens; fp64 as the per-batch sums were added on the host
     sums = torch.zeros(4, len(exits), dtype=torch.float64, device=device)
     has_gate, tokens, per_token, ids = False, 0, [], []
-    for x, y in batches:
-        y_host = y
-        x, y = x.to(device), y.to(device)
+    for batch in batches:
+        y_host = batch[1]
+        x, y, docs = batch_parts(batch, device)
         gates: dict[int, float | torch.Tensor] = {}
         with inference_precision(dtype, device):
-            states = dict(model.exit_states(x, exits, gates, noise=True) if noise else
-                          model.exit_states(x, exits, gates))
+            states = dict(model.exit_states(x, exits, gates, noise=True, **docs) if noise else
+                          model.exit_states(x, exits, gates, **docs))
         losses, kl, agree = exit_stats(states, weight, y, ref, chunk)
         n = y.numel()
         sums[0] += losses.double().sum(dim=0)

@@ -35,6 +35,7 @@ from pipeline.model import exits_are_layers
 from pipeline.model import model_class
 from pipeline.model import model_info
 from pipeline.model.registry import NOISY_TYPES
+from pipeline.tokenize.tokenizers import trained_tokenizer
 from pipeline.tracking import open_tracker
 from pipeline.train.backend import autocast_dtype
 from pipeline.train.checkpoint import list_checkpoints
@@ -90,9 +91,11 @@ def evaluate(path: str | Path, overrides: list[str] | None = None, quiet: bool =
     n_max = ev.max_steps or min(2 * trained_depth if recurrent else deepest, deepest or 10**9)
     exits = list(range(0 if recurrent else 1, n_max + 1))
     val = TokenShards(cfg.data.training_datasets()[0][0], "val")
-    check_dataset_matches_model(val.manifest, cfg, f"the dataset at {val.dir}")
-    problems = check_shards(val, cfg.model.vocab_size) + window_problems(val, cfg.model.block_size,
-                                                                         "tokenize more validation text")
+    check_dataset_matches_model(val.manifest, cfg, f"the dataset at {val.dir}", trained_tokenizer(cfg, ckpt).identity())
+    seq_len = ev.block_size or cfg.model.block_size  # eval.block_size: score at another context than trained
+    lengths = sorted({cfg.model.block_size, *ev.context_lengths}) if ev.context_lengths else []
+    problems = check_shards(val, cfg.model.vocab_size) + [
+        why for n in sorted({seq_len, *lengths}) for why in window_problems(val, n, "tokenize more validation text")]
     if problems:
         raise ValueError(" | ".join(problems))
     # with eval.noise the results go beside the noise-off ones, never over them (grt sweep, paper-table and compare
@@ -103,9 +106,9 @@ def evaluate(path: str | Path, overrides: list[str] | None = None, quiet: bool =
                            f"noise are {list(NOISY_TYPES)}); set eval.noise=false"], f"grt eval {path}")
     baseline = check_inputs(cfg, out_dir)  # everything that could fail after the curves, before computing them
 
-    def batches():
-        return validation_batches(val, cfg.model.block_size, ev.batch_size, max_tokens=ev.val_tokens,
-                                  vocab_size=cfg.model.vocab_size)
+    def batches(length: int = seq_len):
+        return validation_batches(val, length, ev.batch_size, max_tokens=ev.val_tokens,
+                                  vocab_size=cfg.model.vocab_size, document_masking=cfg.data.document_masking)
 
     torch.manual_seed(cfg.seed)  # eval.noise draws from the global RNG: the same noise on every rerun
     with routing(model, "topk"):  # MoR: its exit curve as trained (method_report adds the causal routing)
@@ -118,7 +121,7 @@ def evaluate(path: str | Path, overrides: list[str] | None = None, quiet: bool =
         "checkpoint": str(ckpt), "step": state["step"],
         "tokens_trained": state["step"] * cfg.train.micro_batch_size * cfg.train.grad_accum_steps
         * cfg.model.block_size,
-        "trained_depth": trained_depth, "ref_exit": ref, "val_tokens": curve["val_tokens"],
+        "trained_depth": trained_depth, "ref_exit": ref, "val_tokens": curve["val_tokens"], "block_size": seq_len,
         "exit": pick("exit"), "loss": pick("loss"), "kl": pick("kl"), "top1": pick("top1"),
         "dataset_dir": cfg.data.dataset_dir, "noise": ev.noise, "seconds": None,
         "dtype": str(autocast_dtype(ev.dtype, device)).removeprefix("torch."),
@@ -128,6 +131,11 @@ def evaluate(path: str | Path, overrides: list[str] | None = None, quiet: bool =
         result["loss_r0"] = curve["loss"][0]
     if "gate_mean" in curve:
         result["gate_mean"] = pick("gate_mean")
+    if lengths:
+        with routing(model, "topk"):
+            result["context"] = context_losses(model, batches, lengths, seq_len,
+                                               (result["val_loss"], result["val_tokens"]), ref, device, ev)
+        result["context"]["trained_block_size"] = cfg.model.block_size
     result["exit_flops"] = exit_flops(cfg.model, result["exit"])
     result["train_tokens_per_s"] = training_throughput(run_dir_of(ckpt))
     report = method_report(model, cfg, batches, device)
@@ -163,6 +171,24 @@ def evaluate(path: str | Path, overrides: list[str] | None = None, quiet: bool =
     if not quiet:
         print_report(result)
     return result
+
+
+def context_losses(model, batches, lengths: list[int], seq_len: int, own: tuple, ref: int, device, ev) -> dict:
+    """Loss against context length: the loss at the trained depth ``ref`` on the validation windows of each length
+    (the same token budget, eval.val_tokens, at each); the exit curve's own length (``seq_len``, its loss and tokens
+    ``own``) is not scored twice."""
+    rows: dict = {"block_size": [], "loss": [], "val_tokens": []}
+    for n in lengths:
+        if n == seq_len:
+            loss, tokens = own
+        else:
+            torch.manual_seed(0)  # eval.noise: the same draws on every rerun
+            curve = exit_curve(model, batches(n), [ref], ref, device, noise=ev.noise, dtype=ev.dtype)
+            loss, tokens = curve["loss"][0], curve["val_tokens"]
+        rows["block_size"].append(n)
+        rows["loss"].append(loss)
+        rows["val_tokens"].append(tokens)
+    return rows
 
 
 def training_throughput(run_dir: Path) -> float | None:
@@ -245,6 +271,9 @@ def log_to_mlflow(cfg, state: dict, result: dict, out_dir: Path, plots: list[Pat
             m["eval.gate_mean"] = result["gate_mean"][i]
         log(m, step=e)
     log({"eval.val_loss": result["val_loss"]}, step=state["step"])
+    ctx = result.get("context") or {"block_size": [], "loss": []}
+    for n, loss in zip(ctx["block_size"], ctx["loss"]):
+        log({"eval.context_loss": loss}, step=n)  # step = the context length, so MLflow draws loss against it
     for metrics, step in method_metrics(result.get("method") or {}):
         log(metrics, step=step)
     diag = result.get("diagnostics", {})
@@ -292,6 +321,12 @@ def print_report(result: dict) -> None:
         gate = f"  gate mean {g:.3f}" if g is not None else ""
         print(f"  {kind} {e:>2}: loss {loss:.4f}  KL to {result['ref_exit']} {kl:.4f}  top-1 agree {top1:.3f}"
               f"{gate}{mark}")
+    ctx = result.get("context")
+    if ctx:
+        print(f"  loss against context length (trained at {ctx['trained_block_size']}, depth {result['ref_exit']}):")
+        for n, loss, tokens in zip(ctx["block_size"], ctx["loss"], ctx["val_tokens"]):
+            mark = "  <- trained" if n == ctx["trained_block_size"] else ""
+            print(f"    context {n:>6}: loss {loss:.4f}  ({tokens:,} val tokens){mark}")
     if result.get("method"):
         print_method_report(result["method"])
     steps = result.get("diagnostics", {}).get("steps")

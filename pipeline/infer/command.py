@@ -146,8 +146,9 @@ def model_problems(args, cfg, n_vocab: int) -> list[str]:
                     if exits_are_layers(m.type) else
                     f"does not support early exit (supported: {', '.join(EXIT_TYPES)})"))
     if m.vocab_size < n_vocab:
-        p.append(f"model.vocab_size={m.vocab_size} is smaller than the GPT-2 BPE's {n_vocab} tokens that grt "
-                 f"generate reads and writes text with; this checkpoint was not trained on GPT-2 tokens")
+        p.append(f"model.vocab_size={m.vocab_size} is smaller than the {n_vocab} tokens of data.tokenizer="
+                 f"{cfg.data.tokenizer} that grt generate reads and writes text with; this checkpoint was not "
+                 f"trained on that tokenizer's tokens")
     return p
 
 
@@ -170,16 +171,18 @@ def generate_command(args, out=None, err=None) -> int:
         raise UsageError(f"--device {args.device}: CUDA is not available here (torch sees no CUDA device); pass "
                          f"--device cpu, or omit --device (auto picks CUDA when present)")
     from pipeline.model import model_class
-    from pipeline.tokenize.bpe import gpt2_encoding
+    from pipeline.tokenize.tokenizers import trained_tokenizer
     from pipeline.train.trained import load_trained
 
     model, cfg, _, ckpt = load_trained(args.checkpoint, device=args.device)
-    problems = model_problems(args, cfg, gpt2_encoding().n_vocab)
+    enc = trained_tokenizer(cfg, ckpt)  # the run folder's copy: the user's file may have moved since
+    problems = model_problems(args, cfg, enc.n_vocab)
     if problems:
         raise UsageError("; ".join(problems))
-    enc, block_size = gpt2_encoding(), cfg.model.block_size
+    block_size = cfg.model.block_size
     device = next(model.parameters()).device
-    ids = [enc.encode_ordinary(p) or [enc.eot_token] for p in prompts]  # an empty prompt starts from EOT
+    # an empty prompt starts from EOS, as every document after the first follows one in training
+    ids = [enc.encode(p) or [enc.eos_id] for p in prompts]
     for i, t in enumerate(ids):
         if len(t) > block_size - 1:
             print(f"note: prompt {i + 1} has {len(t)} tokens; the model reads its last {block_size - 1} "
@@ -188,7 +191,7 @@ def generate_command(args, out=None, err=None) -> int:
     sampler = Sampler(args.temperature, args.top_k, args.top_p,
                       seeded_generator(args.seed, device) if args.temperature > 0 else None)
     stops = [unescape(s) for s in args.stop or []]
-    texts = [TokenText(enc, stops, enc.eot_token) for _ in prompts]
+    texts = [TokenText(enc, stops, enc.eos_id) for _ in prompts]
 
     def stop(row: int, tokens: list[int]) -> bool:
         ended = texts[row].feed(tokens[-1])

@@ -29,6 +29,8 @@ import torch
 from pipeline.model.kv_cache import KVCache
 from pipeline.model.kv_cache import at_step
 from pipeline.model.layers import acc_dtype
+from pipeline.model.layers import head_output
+from pipeline.model.layers import token_layout
 from pipeline.model.registry import exits_are_layers
 
 CRITERIA = ("kl", "latent", "entropy")
@@ -36,17 +38,20 @@ CRITERIA = ("kl", "latent", "entropy")
 
 class _Recurrence:
     """One model's recurrence driven a step at a time with a cache: ``begin`` (embeddings, prelude) -> h_0,
-    ``step(h, r)`` -> h_{r+1}, ``head_input(h, r)`` (coda, final norm; r = steps run) -> what the head reads."""
+    ``step(h, r)`` -> h_{r+1}, ``head_input(h, r)`` (coda, final norm; r = steps run) -> what the head reads. The
+    token's layout (rotary angles at its position; None for the gpt2 block) is built once in ``begin``."""
 
     def __init__(self, model):
         self.model, self.core = model, model.recurrent_core()
+        self.layout = None
 
     def begin(self, idx: torch.Tensor, start, cache: KVCache) -> torch.Tensor:
-        self.h_pre = self.model.encode(idx, start, cache)
+        self.layout = token_layout(self.model.cfg, idx, start)
+        self.h_pre = self.model.encode(idx, start, cache, self.layout)
         return self.h_pre
 
     def head_input(self, h: torch.Tensor, r: int, cache: KVCache) -> torch.Tensor:
-        return self.model.readout(h, cache)
+        return self.model.readout(h, cache, self.layout)
 
 
 class _GRT(_Recurrence):
@@ -55,7 +60,7 @@ class _GRT(_Recurrence):
         return self.model.initial_state(super().begin(idx, start, cache), noise=False)
 
     def step(self, h, r, cache):
-        h, _, self.anchor = self.core(h, self.h_pre, False, at_step(cache, r), self.anchor)
+        h, _, self.anchor = self.core(h, self.h_pre, False, at_step(cache, r), self.anchor, layout=self.layout)
         return h
 
 
@@ -64,12 +69,12 @@ class _Poisson(_Recurrence):
         return self.model.initial_state(super().begin(idx, start, cache), noise=False)  # zeros in evaluation
 
     def step(self, h, r, cache):
-        return self.core(h, self.h_pre, at_step(cache, r))
+        return self.core(h, self.h_pre, at_step(cache, r), self.layout)
 
 
 class _RRT(_Recurrence):  # h_0 = the prelude output; recursion r uses its own LoRAs
     def step(self, h, r, cache):
-        return self.core(h, r, at_step(cache, r))
+        return self.core(h, r, at_step(cache, r), self.layout)
 
 
 class _MoR(_Recurrence):  # h_0 = the prelude output; causal threshold routing, as MoR decodes with a cache
@@ -78,7 +83,7 @@ class _MoR(_Recurrence):  # h_0 = the prelude output; causal threshold routing, 
         return super().begin(idx, start, cache)
 
     def step(self, h, r, cache):
-        h, self.chosen, _ = self.core(h, r, self.chosen, True, at_step(cache, r))
+        h, self.chosen, _ = self.core(h, r, self.chosen, True, at_step(cache, r), self.layout)
         return h
 
 
@@ -86,13 +91,15 @@ class _Ouro(_Recurrence):
     """h_0 = the embeddings; a step is one loop, its norm included, and its output is what the head reads."""
 
     def begin(self, idx, start, cache):
-        return self.model.embed(idx, start)
+        self.layout = token_layout(self.model.cfg, idx, start)
+        return self.model.embed(idx, start, self.layout)
 
     def step(self, h, r, cache):
-        return self.core(h, at_step(cache, r))
+        return self.core(h, at_step(cache, r), layout=self.layout)
 
     def head_input(self, h, r, cache):
-        return self.core(h, run_blocks=False) if r == 0 else h  # e = 0: the loop's norm on the embeddings
+        # e = 0: the loop's norm on the embeddings
+        return self.core(h, run_blocks=False, layout=self.layout) if r == 0 else h
 
 
 RECURRENCES = {"grt": _GRT, "poisson": _Poisson, "rrt": _RRT, "mor": _MoR, "ouro": _Ouro}
@@ -130,7 +137,10 @@ class EarlyExit:
                              f"{idx.shape[0]}: generate each prompt alone")
         if self.model.training:
             raise ValueError("early exit is for inference: call model.eval() first")
-        rec, head = self.recurrence, self.model.lm_head
+        rec = self.recurrence
+
+        def head(states):  # the real vocabulary only (a padded one's rows are never predicted)
+            return head_output(self.model.lm_head, states, None)[0]
         h = rec.begin(idx, cache.begin(idx), cache)
         by_distribution = self.criterion != "latent"
         if by_distribution:

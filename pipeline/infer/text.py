@@ -42,7 +42,9 @@ class TokenText:
         if token == self.eot_id:
             self.ended = "eot"
             return True
-        self._extend(self._decoder.decode(self.encoding.decode_single_token_bytes(int(token))))
+        # a pipeline Tokenizer's token_bytes, or a tiktoken Encoding's own
+        token_bytes = getattr(self.encoding, "token_bytes", None) or self.encoding.decode_single_token_bytes
+        self._extend(self._decoder.decode(token_bytes(int(token))))
         return self.ended is not None
 
     def finish(self) -> str:

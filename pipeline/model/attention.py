@@ -21,13 +21,16 @@ DOCUMENT_KERNEL = "auto"  # auto | sdpa | flex
 @functools.lru_cache(maxsize=None)
 def _compiled_flex():
     """flex_attention compiled once (its eager form is a slow reference); the block mask is an input, so a new
-    document layout does not recompile it."""
+    document layout does not recompile it. Dynamic shapes stay at torch's default: a length seen second (MoR's
+    per-batch capacities under masking, an eval at another block size) recompiles once into a shape-generic kernel
+    instead of once per length."""
     from torch.nn.attention.flex_attention import flex_attention
 
-    return torch.compile(flex_attention, dynamic=False)
+    return torch.compile(flex_attention)
 
 
-def _use_flex(q: torch.Tensor, dropout_p: float) -> bool:
+def uses_flex(q: torch.Tensor, dropout_p: float) -> bool:
+    """Whether document-masked attention on ``q``'s device runs FlexAttention (else SDPA with a dense mask)."""
     if DOCUMENT_KERNEL == "sdpa" or dropout_p > 0:  # FlexAttention has no dropout
         return False
     if DOCUMENT_KERNEL == "flex":
@@ -51,7 +54,7 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_
     if layout is not None and layout.docs is not None:
         if past:
             raise ValueError("document masking applies to whole windows, not after a KV cache")
-        if key_mask is None and _use_flex(q, dropout_p):
+        if key_mask is None and uses_flex(q, dropout_p):
             return _compiled_flex()(q, k, v, block_mask=layout.block_mask(), **gqa)
         mask = layout.dense_mask()
         if key_mask is not None:

@@ -10,9 +10,9 @@ from pipeline.model.layers import KVCache
 from pipeline.model.layers import block_flops_per_token
 from pipeline.model.layers import cache_slot
 from pipeline.model.layers import copy_full
+from pipeline.model.layers import final_norm
 from pipeline.model.layers import head_flops_per_token
 from pipeline.model.layers import head_output
-from pipeline.model.layers import final_norm
 from pipeline.model.layers import init_gpt2_weights
 from pipeline.model.layers import lm_head
 from pipeline.model.layers import token_embedding

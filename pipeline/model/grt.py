@@ -3,12 +3,16 @@ re-injects the prelude output and an elementwise gate, then coda, final LN and a
 
 Step r (Eq. 2 and §3.3):
     h~ = W_proj([h + eps_x, h_pre])                           (Linear 2d -> d)
-    o  = core(h~)                                             (n_core pre-LN blocks, same weights every step)
+    o  = core(h~)                                             (n_core blocks of model.block, same weights every step)
     g  = sigmoid(f_g([LN(h), LN(h_pre)]) / tau + eps_g)       (f_g: Linear 2d->d, SiLU, Linear d->d, last bias +4)
     h  = g * h + (1 - g) * o
 eps_x, eps_g ~ N(0, sigma^2) in training, and in evaluation only when asked (``exit_states(noise=True)``: Algorithm
 1's inference noise; Appendix E evaluates without). The ablation switches (``reinject``, ``gate``, ``state_noise``)
 turn off one component each, giving the rows of the paper's Figure 5 / Table 7.
+
+With ``model.block: llama`` the prelude, core and coda blocks are Llama-style (and the final norm an RMSNorm); W_proj
+and the gate, with its two LayerNorms, stay as above. Under document masking (``docs``) every block attends within
+each token's document; the forward's layout (mask, positions, rotary angles) is built once and reused at every step.
 """
 from __future__ import annotations
 
@@ -37,6 +41,8 @@ from pipeline.model.layers import copy_full
 from pipeline.model.layers import head_flops_per_token
 from pipeline.model.layers import head_output
 from pipeline.model.layers import init_gpt2_weights
+from pipeline.model.layers import token_layout
+from pipeline.model.layout import TokenLayout
 from pipeline.model.recurrent import RecurrentLM
 from pipeline.runtime.seeds import derive_seed
 
@@ -124,10 +130,11 @@ class RecurrentStep(nn.Module):
         return self.cfg.state_noise == "every_step" and self.cfg.sigma_x > 0
 
     def proposal(self, h: torch.Tensor, h_pre: torch.Tensor, noise: bool, cache: KVCacheAtStep | None = None,
-                 anchor: tuple | None = None, seeds: StepSeeds | None = None) -> torch.Tensor:
+                 anchor: tuple | None = None, seeds: StepSeeds | None = None,
+                 layout: TokenLayout | None = None) -> torch.Tensor:
         """o = core(W_proj([h + eps_x, h_pre])): what the step would write with the gate fully open. ``anchor``:
         :meth:`anchor_terms` of h_pre, computed here when not given. ``seeds``: :meth:`draw_seeds`; eps_x's seed
-        is drawn here when not given."""
+        is drawn here when not given. ``layout``: the forward's token layout, handed to every core block."""
         x = h
         if noise and self._adds_state_noise():
             x = state_noise(h, self.cfg.sigma_x, seeds.x if seeds is not None else new_seed())
@@ -137,14 +144,16 @@ class RecurrentStep(nn.Module):
         else:
             o = x
         for block in self.blocks:
-            o = block(o, cache_slot(cache, block))
+            o = block(o, cache_slot(cache, block), layout=layout)
         return o
 
     def forward(self, h: torch.Tensor, h_pre: torch.Tensor, noise: bool, cache: KVCacheAtStep | None = None,
-                anchor: tuple | None = None, need_gate: bool = False, seeds: StepSeeds | None = None):
+                anchor: tuple | None = None, need_gate: bool = False, seeds: StepSeeds | None = None,
+                layout: TokenLayout | None = None):
         """(h^(r), g^(r) or None, anchor terms). g is returned only when ``need_gate``; without a gate the state is
         replaced by the proposal. Pass the returned anchor terms to the next step. ``seeds``: :meth:`draw_seeds`
-        (noise on); drawn here when not given (in a compiled step, at the cost of a graph break).
+        (noise on); drawn here when not given (in a compiled step, at the cost of a graph break). ``layout``: the
+        forward's :class:`~pipeline.model.layout.TokenLayout` (None: the gpt2 block's plain causal window).
 
         ``need_gate`` with ``noise``: g = sigmoid(z / tau + eps_g) and the update in plain PyTorch (the reference op),
         with the seed training draws, so on CPU (or with the reference ops) the state equals training's; the Triton
@@ -153,7 +162,7 @@ class RecurrentStep(nn.Module):
             seeds = self.draw_seeds(noise)
         if anchor is None:
             anchor = self.anchor_terms(h_pre)
-        o = self.proposal(h, h_pre, noise, cache, anchor, seeds)
+        o = self.proposal(h, h_pre, noise, cache, anchor, seeds, layout)
         if self.gate is None:
             return o, None, anchor
         z = self.gate(h, anchor[1])
@@ -196,37 +205,43 @@ class GRT(RecurrentLM):
             h = h + cfg.sigma_x * torch.randn_like(h)
         return h
 
-    def decode(self, h: torch.Tensor, targets: torch.Tensor | None, cache: KVCache | None = None):
-        """Coda, final LN and the tied head applied to a recurrent state: (logits, None) without targets,
+    def decode(self, h: torch.Tensor, targets: torch.Tensor | None, cache: KVCache | None = None,
+               layout: TokenLayout | None = None):
+        """Coda, final norm and the tied head applied to a recurrent state: (logits, None) without targets,
         (None, loss) with them (the fused loss never builds the logits)."""
-        return head_output(self.lm_head, self.readout(h, cache), targets)
+        return head_output(self.lm_head, self.readout(h, cache, layout), targets)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, n_steps: int | None = None,
-                cache: KVCache | None = None):
+                cache: KVCache | None = None, docs: torch.Tensor | None = None):
         """(logits, None) without targets, (None, loss) with them. ``n_steps`` defaults to R; noise is on exactly
-        when the module is in training. With a ``cache``, ``idx`` holds only the new tokens."""
+        when the module is in training. With a ``cache``, ``idx`` holds only the new tokens. ``docs`` [B, T]: each
+        token's document (attention stays inside it at every step)."""
         n = self.cfg.n_recurrence if n_steps is None else n_steps
         noise = self.training
         start = cache.begin(idx) if cache is not None else 0
-        h_pre = self.encode(idx, start, cache)
+        layout = token_layout(self.cfg, idx, start, docs)  # once per forward, reused by every block at every step
+        h_pre = self.encode(idx, start, cache, layout)
         h = self.initial_state(h_pre, noise)
         anchor = None
         n_free = self.grad_free_steps(n)  # truncated backprop (model.backprop_steps): these steps save nothing
         with torch.no_grad():
             for r in range(n_free):
                 seeds = self.recur.draw_seeds(noise)
-                h, _, anchor = self.recur(h, h_pre, noise, at_step(cache, r), anchor, seeds=seeds)
+                h, _, anchor = self.recur(h, h_pre, noise, at_step(cache, r), anchor, seeds=seeds, layout=layout)
         anchor = None  # the first step with gradient recomputes the anchor terms with gradient (to h_pre, W_a)
         for r in range(n_free, n):  # seeds drawn here, in eager code (see RecurrentStep.draw_seeds)
-            h, _, anchor = self.recur(h, h_pre, noise, at_step(cache, r), anchor, seeds=self.recur.draw_seeds(noise))
-        out = self.decode(h, targets, cache)
+            h, _, anchor = self.recur(h, h_pre, noise, at_step(cache, r), anchor, seeds=self.recur.draw_seeds(noise),
+                                      layout=layout)
+        out = self.decode(h, targets, cache, layout)
         if cache is not None:
             cache.advance()
         return out
 
-    def exit_states(self, idx: torch.Tensor, exits, gates: dict | None = None, *, noise: bool = False):
-        """One pass, yielding (r, coda + final LN of h^(r)) for each r in ``exits`` (0 = the initial state). A
+    def exit_states(self, idx: torch.Tensor, exits, gates: dict | None = None, *, noise: bool = False,
+                    docs: torch.Tensor | None = None):
+        """One pass, yielding (r, coda + final norm of h^(r)) for each r in ``exits`` (0 = the initial state). A
         ``gates`` dict receives the gate's mean at each yielded r >= 1 (when the model has a gate), a 0-d tensor.
+        ``docs``: as in :meth:`forward` (one layout for the whole pass).
 
         ``noise``: Algorithm 1's inference noise, which Appendix E turns off (the default): the training noise path
         (eps_x on the projection input every step or on h^(0), per ``state_noise``; eps_g in the gate; a random
@@ -237,17 +252,18 @@ class GRT(RecurrentLM):
         # with noise the gate is always computed in plain PyTorch (RecurrentStep.forward), so the states do not
         # depend on whether ``gates`` was asked for (the Triton kernel would draw other noise for the same seed)
         need_gate = self.recur.gate is not None and (gates is not None or noise)
-        h_pre = self.encode(idx)
+        layout = token_layout(self.cfg, idx, docs=docs)
+        h_pre = self.encode(idx, layout=layout)
         h = self.initial_state(h_pre, noise=noise)
         g = anchor = None
         for r in range(wanted[-1] + 1):
             if r > 0:
                 h, g, anchor = self.recur(h, h_pre, noise, None, anchor, need_gate=need_gate,
-                                          seeds=self.recur.draw_seeds(noise))
+                                          seeds=self.recur.draw_seeds(noise), layout=layout)
             if r in wanted:
                 if g is not None and gates is not None:
                     gates[r] = g.detach().float().mean()  # a 0-d tensor: no host sync per exit
-                yield r, self.readout(h)
+                yield r, self.readout(h, layout=layout)
 
     # --------------------------------------------------------------------------------------------- accounting
     def train_depth(self, seed: int, step: int, micro_step: int | None = None) -> int:

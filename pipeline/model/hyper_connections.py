@@ -23,12 +23,13 @@ token (the paper sums the streams at the network's end; the mean makes the hyper
 initialisation, where all streams stay equal, exactly the plain core, so hyper_streams=n starts as the plain GRT).
 The recurrent state h, the gate and the prelude/coda are untouched.
 
-Each hyper-connected block is a :class:`~pipeline.model.layers.Block` with the same submodules and parameter names,
-plus ``hc_attn`` and ``hc_mlp``: n + n^2 + n parameters each (not weight-decayed: the optimizer decays Linear
-weights only). The first core block takes [B, T, d] and returns the streams [n, B, T, d]; the last takes the
-streams and returns [B, T, d]; so ``RecurrentStep``'s loop over its blocks is unchanged. The stream mixes run
-with autocast off, in the streams' dtype (that of the core input, as the plain core's residual adds), so a bf16
-matmul never rounds an fp32 stream.
+Each hyper-connected block holds the sublayers of a standard block of ``model.block`` (GPT-2's or the Llama-style
+one) under their own names (``ln_1``, ``attn``, ``ln_2``, ``mlp``: the parameter names of a plain block, so gpt2
+checkpoints keep their keys), plus ``hc_attn`` and ``hc_mlp``: n + n^2 + n parameters each (not weight-decayed: the
+optimizer decays Linear weights only). The first core block takes [B, T, d] and returns the streams [n, B, T, d];
+the last takes the streams and returns [B, T, d]; so ``RecurrentStep``'s loop over its blocks is unchanged. The
+stream mixes run with autocast off, in the streams' dtype (that of the core input, as the plain core's residual
+adds), so a bf16 matmul never rounds an fp32 stream.
 """
 from __future__ import annotations
 
@@ -38,8 +39,9 @@ import torch
 import torch.nn as nn
 
 from pipeline.model.configs import GRTConfig
-from pipeline.model.layers import Block
 from pipeline.model.layers import KVSlot
+from pipeline.model.layers import transformer_block
+from pipeline.model.layout import TokenLayout
 
 
 def mix_streams(weights: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
@@ -85,22 +87,26 @@ class StaticHyperConnection(nn.Module):
         return f"n={self.n}, k={self.k}"
 
 
-class HyperConnectedBlock(Block):
-    """The pre-LN block with a static hyper-connection around each sublayer in place of its residual add. The first
-    core block (``first``) replicates its [B, T, d] input into the n streams; the last (``last``) returns their
-    mean; the others take and return the streams [n, B, T, d]."""
+class HyperConnectedBlock(nn.Module):
+    """A standard pre-norm block (``block``, of either kind) with a static hyper-connection around each sublayer in
+    place of its residual add. The block's sublayers become this module's own (``ln_1``, ``attn``, ``ln_2``,
+    ``mlp``), so parameter names and values are those of the plain block. The first core block (``first``)
+    replicates its [B, T, d] input into the n streams; the last (``last``) returns their mean; the others take and
+    return the streams [n, B, T, d]."""
 
-    def __init__(self, d_model: int, n_head: int, dropout: float, bias: bool, n: int, index: int, first: bool,
-                 last: bool):
-        super().__init__(d_model, n_head, dropout, bias)
+    positions_in_order = False  # a standard block's sublayers: all positions at once
+
+    def __init__(self, block: nn.Module, n: int, index: int, first: bool, last: bool):
+        super().__init__()
+        self.ln_1, self.attn, self.ln_2, self.mlp = block.ln_1, block.attn, block.ln_2, block.mlp
         self.n, self.first, self.last = n, first, last
         self.hc_attn = StaticHyperConnection(n, 2 * index)  # sublayers numbered over the core
         self.hc_mlp = StaticHyperConnection(n, 2 * index + 1)
 
-    def forward(self, x: torch.Tensor, kv: KVSlot | None = None,
-                key_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, kv: KVSlot | None = None, key_mask: torch.Tensor | None = None,
+                layout: TokenLayout | None = None) -> torch.Tensor:
         H = x.expand(self.n, *x.shape) if self.first else x  # the paper's H^0: the input replicated n times
-        H = self.hc_attn(H, lambda h: self.attn(self.ln_1(h), kv, key_mask))
+        H = self.hc_attn(H, lambda h: self.attn(self.ln_1(h), kv, key_mask, layout))
         H = self.hc_mlp(H, lambda h: self.mlp(self.ln_2(h)))
         return H.mean(0) if self.last else H
 
@@ -109,9 +115,10 @@ class HyperConnectedBlock(Block):
 
 
 def core_blocks(cfg: GRTConfig) -> nn.ModuleList:
-    """GRT's looped core: ``n_core`` plain blocks, or hyper-connected ones over ``cfg.hyper_streams`` > 1 streams."""
-    d, n = cfg.d_model, cfg.hyper_streams
+    """GRT's looped core: ``n_core`` standard blocks of ``cfg.block``, or hyper-connected ones over
+    ``cfg.hyper_streams`` > 1 streams."""
+    n = cfg.hyper_streams
     if n == 1:
-        return nn.ModuleList(Block(d, cfg.n_head, cfg.dropout, cfg.bias) for _ in range(cfg.n_core))
-    return nn.ModuleList(HyperConnectedBlock(d, cfg.n_head, cfg.dropout, cfg.bias, n, i, first=i == 0,
-                                             last=i == cfg.n_core - 1) for i in range(cfg.n_core))
+        return nn.ModuleList(transformer_block(cfg) for _ in range(cfg.n_core))
+    return nn.ModuleList(HyperConnectedBlock(transformer_block(cfg), n, i, first=i == 0, last=i == cfg.n_core - 1)
+                         for i in range(cfg.n_core))

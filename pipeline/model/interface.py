@@ -30,15 +30,17 @@ class LanguageModel(nn.Module, metaclass=abc.ABCMeta):
     # ------------------------------------------------------------------------------------------- the module
     @abc.abstractmethod
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, n_steps: int | None = None,
-                cache=None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+                cache=None, docs: torch.Tensor | None = None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """(logits, None) without targets, (None, loss) with them, at depth ``n_steps`` (default: the full depth).
-        With a ``cache`` (:class:`pipeline.model.kv_cache.KVCache`), ``idx`` holds only the new tokens."""
+        With a ``cache`` (:class:`pipeline.model.kv_cache.KVCache`), ``idx`` holds only the new tokens. ``docs``
+        ([B, T], each token's document index, non-decreasing along T; document masking): nothing passes between
+        documents, and positions restart at each (:mod:`pipeline.model.layout`)."""
 
     @abc.abstractmethod
     def exit_states(self, idx: torch.Tensor, exits: Iterable[int], gates: dict | None = None, *,
-                    noise: bool = False) -> Iterator[tuple[int, torch.Tensor]]:
+                    noise: bool = False, docs: torch.Tensor | None = None) -> Iterator[tuple[int, torch.Tensor]]:
         """One pass yielding (depth e, the states the head reads after e) for each e in ``exits``; a ``gates``
-        dict is filled with the gate values where the model has a gate."""
+        dict is filled with the gate values where the model has a gate; ``docs`` as in :meth:`forward`."""
 
     @abc.abstractmethod
     def init_weights(self, seed: int, assign=None) -> None:

@@ -53,7 +53,8 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, kv: "KVSlot | None" = None, key_mask: torch.Tensor | None = None,
                 layout: TokenLayout | None = None) -> torch.Tensor:
-        """Causal self-attention (within documents when the ``layout`` has them). ``key_mask`` ([B, T] bool, for the tokens of ``x``; a cache slot keeps those of
+        """Causal self-attention (within documents when the ``layout`` has them).
+        ``key_mask`` ([B, T] bool, for the tokens of ``x``; a cache slot keeps those of
         earlier tokens and masks left pads): which positions may be attended to; each query also sees itself, so no
         row is empty."""
         B, T, C = x.shape
@@ -227,17 +228,22 @@ def acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
+def predicted_weight(lm_head: nn.Linear) -> torch.Tensor:
+    """The head's rows that are predicted: the first ``n_vocab`` (a padded vocabulary's extra rows never are)."""
+    return lm_head.weight[:getattr(lm_head, "n_vocab", lm_head.out_features)]
+
+
 def head_output(lm_head: nn.Linear, h: torch.Tensor, targets: torch.Tensor | None):
     """The LM head on final-LN'd states: (logits, None) without targets; with them (None, mean next-token
     cross-entropy in nats), fused and chunked so the full logits are never materialised (-1 targets ignored).
     A padded vocabulary (``model.vocab_multiple``) predicts only its first ``lm_head.n_vocab`` rows: the padding
-    never gets a logit or a share of the softmax."""
-    n_vocab = getattr(lm_head, "n_vocab", lm_head.out_features)
+    never gets a logit or a share of the softmax. The logits come from calling the module (hooks on it see them:
+    :func:`pipeline.infer.generate.last_position_head`)."""
     if targets is None:
-        if n_vocab == lm_head.out_features:
-            return lm_head(h), None
-        return F.linear(h, lm_head.weight[:n_vocab]), None
-    return None, linear_cross_entropy(h, lm_head.weight[:n_vocab], targets)
+        logits = lm_head(h)
+        n_vocab = getattr(lm_head, "n_vocab", lm_head.out_features)
+        return (logits if n_vocab == lm_head.out_features else logits[..., :n_vocab]), None
+    return None, linear_cross_entropy(h, predicted_weight(lm_head), targets)
 
 
 def block_flops_per_token(cfg: ModelConfig, seq_len: int) -> int:

@@ -19,8 +19,10 @@ Choices where the issue is silent, following Ouro's released modeling code (``Ou
 - one gate with a bias shared by every loop, on h_t (not per-loop gates): theirs, and the gate then costs d + 1
   parameters whatever T; GPT-2 init (w ~ N(0, 0.02), b = 0) puts lambda_t ~ 0.5 at the start, as their init does;
 - the gate of the last loop is not evaluated: p_T takes the remaining mass and never reads lambda_T;
-- blocks are this pipeline's GPT-2 pre-LN blocks with learned positions added once at h_0 (theirs: RoPE and
-  sandwich RMSNorm), so that every method in the comparison shares the same block.
+- blocks are this pipeline's standard blocks (``model.block``): GPT-2's pre-LN blocks with learned positions
+  added once at h_0 (the paper's comparison, every method sharing the same block), or the llama block with rotary
+  positions, whose loop norm is then an RMSNorm (theirs: RoPE and sandwich RMSNorm). Under document masking one
+  :class:`~pipeline.model.layout.TokenLayout` per forward serves every block of every loop.
 """
 from __future__ import annotations
 
@@ -32,19 +34,23 @@ from ops import linear_cross_entropy
 from pipeline.model.configs import OuroConfig
 from pipeline.model.fp32_linear import FP32Linear
 from pipeline.model.interface import LanguageModel
-from pipeline.model.layers import Block
 from pipeline.model.layers import KVCache
 from pipeline.model.layers import KVCacheAtStep
-from pipeline.model.layers import LayerNorm
-from pipeline.model.layers import TokenEmbedding
 from pipeline.model.layers import acc_dtype
 from pipeline.model.layers import at_step
 from pipeline.model.layers import block_flops_per_token
 from pipeline.model.layers import cache_slot
 from pipeline.model.layers import copy_full
+from pipeline.model.layers import final_norm
 from pipeline.model.layers import head_flops_per_token
 from pipeline.model.layers import head_output
 from pipeline.model.layers import init_gpt2_weights
+from pipeline.model.layers import lm_head
+from pipeline.model.layers import predicted_weight
+from pipeline.model.layers import token_embedding
+from pipeline.model.layers import token_layout
+from pipeline.model.layers import transformer_block
+from pipeline.model.layout import TokenLayout
 
 
 def exit_log_probs(gate_logits: torch.Tensor) -> torch.Tensor:
@@ -58,18 +64,20 @@ def exit_log_probs(gate_logits: torch.Tensor) -> torch.Tensor:
 
 
 class OuroLoop(nn.Module):
-    """One loop: the n_layer blocks, then the loop's norm (Ouro's final norm). ``run_blocks=False`` applies only the
-    norm (the exit e = 0, LN(embeddings)); it goes through this module so that a sharded norm is gathered."""
+    """One loop: the n_layer blocks, then the loop's norm (Ouro's final norm: LayerNorm, RMSNorm with the llama
+    block). ``run_blocks=False`` applies only the norm (the exit e = 0, LN(embeddings)); it goes through this module
+    so that a sharded norm is gathered. ``layout``: the forward's, the same at every loop."""
 
     def __init__(self, cfg: OuroConfig):
         super().__init__()
-        self.blocks = nn.ModuleList(Block(cfg.d_model, cfg.n_head, cfg.dropout, cfg.bias) for _ in range(cfg.n_layer))
-        self.ln_f = LayerNorm(cfg.d_model, cfg.bias)
+        self.blocks = nn.ModuleList(transformer_block(cfg) for _ in range(cfg.n_layer))
+        self.ln_f = final_norm(cfg)
 
-    def forward(self, h: torch.Tensor, cache: KVCacheAtStep | None = None, run_blocks: bool = True) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, cache: KVCacheAtStep | None = None, run_blocks: bool = True,
+                layout: TokenLayout | None = None) -> torch.Tensor:
         if run_blocks:
             for block in self.blocks:
-                h = block(h, cache_slot(cache, block))
+                h = block(h, cache_slot(cache, block), layout=layout)
         return self.ln_f(h)
 
 
@@ -78,14 +86,12 @@ class Ouro(LanguageModel):
     def __init__(self, cfg: OuroConfig):
         super().__init__()
         self.cfg = cfg
-        d = cfg.d_model
-        self.embed = TokenEmbedding(cfg.vocab_size, cfg.block_size, d, cfg.dropout)
+        self.embed = token_embedding(cfg)
         self.prelude = nn.ModuleList()  # the whole stack loops: nothing runs once before or after it
         self.recur = OuroLoop(cfg)
         self.coda = nn.ModuleList()
-        self.exit_gate = FP32Linear(d, 1)  # lambda_t = sigmoid(w . h_t + b), shared by every loop; z in fp32
-        self.lm_head = nn.Linear(d, cfg.vocab_size, bias=False)
-        self.lm_head.weight = self.embed.wte.weight  # tied head
+        self.exit_gate = FP32Linear(cfg.d_model, 1)  # lambda_t = sigmoid(w . h_t + b), shared by every loop; z in fp32
+        self.lm_head = lm_head(cfg, self.embed)  # tied head
 
     def init_weights(self, seed: int, assign=copy_full) -> None:
         """GPT-2 init, each parameter from its own generator seeded by (seed, name). The residual projections are
@@ -98,13 +104,14 @@ class Ouro(LanguageModel):
 
     # ------------------------------------------------------------------------------------------------ forward
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, n_steps: int | None = None,
-                cache: KVCache | None = None):
+                cache: KVCache | None = None, docs: torch.Tensor | None = None):
         """(logits at depth n, None) without targets; (None, loss) with them: in training the expected loss over the
         n loops minus beta H(p) (module docstring), in evaluation the plain loss at depth n. ``n_steps`` defaults
-        to T. With a ``cache``, ``idx`` holds only the new tokens."""
+        to T. With a ``cache``, ``idx`` holds only the new tokens. ``docs`` [B, T]: each token's document."""
         n = self._depth(n_steps)
         start = cache.begin(idx) if cache is not None else 0
-        h = self.embed(idx, start)
+        layout = token_layout(self.cfg, idx, start, docs)
+        h = self.embed(idx, start, layout)
         per_loop_loss = self.training and targets is not None
         if per_loop_loss and n < 1:
             raise ValueError(f"n_steps={n}: the training loss weighs the loops 1..n, so it needs n_steps >= 1 (or "
@@ -112,10 +119,11 @@ class Ouro(LanguageModel):
         if n == 0:
             h = self.recur(h, run_blocks=False)
         losses, gate_logits = [], []
+        head_weight = predicted_weight(self.lm_head)  # a padded vocabulary's rows are never predicted
         for t in range(1, n + 1):
-            h = self.recur(h, at_step(cache, t - 1))
+            h = self.recur(h, at_step(cache, t - 1), layout=layout)
             if per_loop_loss:
-                losses.append(linear_cross_entropy(h, self.lm_head.weight, targets, reduction="none"))
+                losses.append(linear_cross_entropy(h, head_weight, targets, reduction="none"))
                 if t < n:
                     gate_logits.append(self._gate_logit(h))
         if cache is not None:
@@ -135,16 +143,18 @@ class Ouro(LanguageModel):
         return (per_token * valid).sum() / valid.sum().clamp(min=1)
 
     @torch.no_grad()
-    def exit_distribution(self, idx: torch.Tensor, n_loops: int | None = None) -> torch.Tensor:
+    def exit_distribution(self, idx: torch.Tensor, n_loops: int | None = None,
+                          docs: torch.Tensor | None = None) -> torch.Tensor:
         """p_t per token over loops 1..n (default T) in one pass: [B, S, n], summing to 1 over the last dim. The
         Q-exit rule exits at the first t with sum_{j<=t} p_j >= q."""
         n = self._depth(n_loops)
         if n < 1:
             raise ValueError(f"the exit distribution needs n_loops >= 1, got {n}")
-        h = self.embed(idx)
+        layout = token_layout(self.cfg, idx, docs=docs)
+        h = self.embed(idx, layout=layout)
         gate_logits = []
         for _ in range(n - 1):
-            h = self.recur(h)
+            h = self.recur(h, layout=layout)
             gate_logits.append(self._gate_logit(h))
         z = torch.stack(gate_logits, dim=-1) if gate_logits else h.new_zeros(*idx.shape, 0, dtype=acc_dtype(h.dtype))
         return exit_log_probs(z).exp()
@@ -154,7 +164,8 @@ class Ouro(LanguageModel):
         up after a bf16 Linear has rounded it."""
         return self.exit_gate(h).squeeze(-1)
 
-    def exit_states(self, idx: torch.Tensor, exits, gates: dict | None = None, *, noise: bool = False):
+    def exit_states(self, idx: torch.Tensor, exits, gates: dict | None = None, *, noise: bool = False,
+                    docs: torch.Tensor | None = None):
         """One pass yielding (e, h_e) for each e in ``exits``: the loop outputs (already normed, what the head
         reads); e = 0 is LN(embeddings), the loop's norm applied before any loop. Any e, past T too. ``gates`` is
         left untouched (the exit gate is reported by :meth:`exit_distribution`)."""
@@ -162,11 +173,12 @@ class Ouro(LanguageModel):
             raise ValueError("model.type=ouro has no inference noise: eval.noise=true is for the types in "
                              "pipeline.model.registry.NOISY_TYPES (grt, poisson); set eval.noise=false")
         wanted = sorted(set(exits))
-        h = self.embed(idx)
+        layout = token_layout(self.cfg, idx, docs=docs)
+        h = self.embed(idx, layout=layout)
         if 0 in wanted:
             yield 0, self.recur(h, run_blocks=False)
         for e in range(1, wanted[-1] + 1):
-            h = self.recur(h)
+            h = self.recur(h, layout=layout)
             if e in wanted:
                 yield e, h
 
@@ -197,7 +209,8 @@ class Ouro(LanguageModel):
     @staticmethod
     def flops_per_token(cfg: OuroConfig, n_steps: int | None = None, with_head: bool = False,
                         seq_len: int | None = None, executed: bool = False) -> int:
-        """Paper Eq. 1 for n loops: n L (24d^2 + 4Sd) + n 2d for the exit gate (the per-loop norm, O(d), is left
+        """Paper Eq. 1 for n loops: n L (2 W + 4Sd) + n 2d for the exit gate (W the block's matmul weights,
+        ``block_weight_params``: 12d^2 for GPT-2's block) (the per-loop norm, O(d), is left
         out as Eq. 1 leaves out the blocks' norms), + 2dV for one head. ``executed`` changes nothing (the
         gate's 2d per loop is noise beside the blocks). The T heads of training are in
         :meth:`flops_notes`."""

@@ -14,6 +14,8 @@ on every rank and after a resume, see ``train_depth``):
     lambda ~ LogNormal(log r - sigma^2 / 2, sigma),   p = Poisson(lambda) + 1,   so E[lambda] = r and E[p] = r + 1
 with truncated backprop: steps 1..max(p - k, 0) run under no_grad, the last min(k, p) with gradient. Evaluation
 runs r steps (``n_recurrence``). The loss is plain next-token cross-entropy: the method has no auxiliary objective.
+The blocks are those of ``model.block`` (Huginn's own are Llama-like); under document masking (``docs``) the forward's
+layout is built once and every block at every step attends within each token's document.
 """
 from __future__ import annotations
 
@@ -23,7 +25,6 @@ import torch
 import torch.nn as nn
 
 from pipeline.model.configs import PoissonConfig
-from pipeline.model.layers import Block
 from pipeline.model.layers import KVCache
 from pipeline.model.layers import KVCacheAtStep
 from pipeline.model.layers import at_step
@@ -33,6 +34,9 @@ from pipeline.model.layers import copy_full
 from pipeline.model.layers import head_flops_per_token
 from pipeline.model.layers import head_output
 from pipeline.model.layers import init_gpt2_weights
+from pipeline.model.layers import token_layout
+from pipeline.model.layers import transformer_block
+from pipeline.model.layout import TokenLayout
 from pipeline.model.recurrent import RecurrentLM
 from pipeline.runtime.seeds import derive_seed
 
@@ -51,12 +55,14 @@ class PoissonStep(nn.Module):
         super().__init__()
         d = cfg.d_model
         self.adapter = nn.Linear(2 * d, d, bias=cfg.bias)  # A: 2d^2 (+ d)
-        self.blocks = nn.ModuleList(Block(d, cfg.n_head, cfg.dropout, cfg.bias) for _ in range(cfg.n_core))
+        self.blocks = nn.ModuleList(transformer_block(cfg) for _ in range(cfg.n_core))
 
-    def forward(self, h: torch.Tensor, h_pre: torch.Tensor, cache: KVCacheAtStep | None = None) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, h_pre: torch.Tensor, cache: KVCacheAtStep | None = None,
+                layout: TokenLayout | None = None) -> torch.Tensor:
+        """One step; ``layout``: the forward's token layout, handed to every core block."""
         x = self.adapter(torch.cat([h, h_pre], dim=-1))  # state first, as Huginn's core_block_forward
         for block in self.blocks:
-            x = block(x, cache_slot(cache, block))
+            x = block(x, cache_slot(cache, block), layout=layout)
         return x
 
 
@@ -103,46 +109,51 @@ class PoissonDepth(RecurrentLM):
         x = torch.empty(h_pre.shape, dtype=torch.promote_types(h_pre.dtype, torch.float32), device=h_pre.device)
         return nn.init.trunc_normal_(x, 0.0, std, -3 * std, 3 * std).to(h_pre.dtype)
 
-    def iterate(self, h: torch.Tensor, h_pre: torch.Tensor, n: int, cache: KVCache | None = None) -> torch.Tensor:
-        """n steps of ``self.recur``; in training the first max(n - k, 0) under no_grad (truncated backprop, see
-        :meth:`RecurrentLM.grad_free_steps`)."""
+    def iterate(self, h: torch.Tensor, h_pre: torch.Tensor, n: int, cache: KVCache | None = None,
+                layout: TokenLayout | None = None) -> torch.Tensor:
+        """n steps of ``self.recur``, all with the forward's ``layout``; in training the first max(n - k, 0) under
+        no_grad (truncated backprop, see :meth:`RecurrentLM.grad_free_steps`)."""
         n_free = self.grad_free_steps(n)
         with torch.no_grad():
             for r in range(n_free):
-                h = self.recur(h, h_pre, at_step(cache, r))
+                h = self.recur(h, h_pre, at_step(cache, r), layout=layout)
         for r in range(n_free, n):
-            h = self.recur(h, h_pre, at_step(cache, r))
+            h = self.recur(h, h_pre, at_step(cache, r), layout=layout)
         return h
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, n_steps: int | None = None,
-                cache: KVCache | None = None):
+                cache: KVCache | None = None, docs: torch.Tensor | None = None):
         """(logits, None) without targets, (None, loss) with them. ``n_steps``: p in training (``train_depth``),
-        default r. With a ``cache``, ``idx`` holds only the new tokens (see :mod:`pipeline.model.kv_cache`)."""
+        default r. With a ``cache``, ``idx`` holds only the new tokens (see :mod:`pipeline.model.kv_cache`).
+        ``docs`` [B, T]: each token's document (attention stays inside it at every step)."""
         n = self.cfg.n_recurrence if n_steps is None else n_steps
         if n < (1 if self.training else 0):
             raise ValueError(f"n_steps={n_steps}: training needs at least one recurrence step (p >= 1), "
                              f"evaluation at least 0")
         start = cache.begin(idx) if cache is not None else 0
-        h_pre = self.encode(idx, start, cache)
-        h = self.iterate(self.initial_state(h_pre, self.training), h_pre, n, cache)
-        out = head_output(self.lm_head, self.readout(h, cache), targets)
+        layout = token_layout(self.cfg, idx, start, docs)  # once per forward, reused by every block at every step
+        h_pre = self.encode(idx, start, cache, layout)
+        h = self.iterate(self.initial_state(h_pre, self.training), h_pre, n, cache, layout)
+        out = head_output(self.lm_head, self.readout(h, cache, layout), targets)
         if cache is not None:
             cache.advance()
         return out
 
-    def exit_states(self, idx: torch.Tensor, exits, gates: dict | None = None, *, noise: bool = False):
-        """One pass, yielding (e, coda + final LN of h^(e)) for each e in ``exits``; e = 0 is the initial state: zeros
-        (noise off, the default), or with ``noise`` the training draw of h^(0) (Huginn's inference, which also
+    def exit_states(self, idx: torch.Tensor, exits, gates: dict | None = None, *, noise: bool = False,
+                    docs: torch.Tensor | None = None):
+        """One pass, yielding (e, coda + final norm of h^(e)) for each e in ``exits``; e = 0 is the initial state:
+        zeros (noise off, the default), or with ``noise`` the training draw of h^(0) (Huginn's inference, which also
         starts from noise), from the global torch RNG so the caller's torch.manual_seed fixes it. No gates: a
-        ``gates`` dict stays empty."""
+        ``gates`` dict stays empty. ``docs``: as in :meth:`forward` (one layout for the whole pass)."""
         wanted = sorted(set(exits))
-        h_pre = self.encode(idx)
+        layout = token_layout(self.cfg, idx, docs=docs)
+        h_pre = self.encode(idx, layout=layout)
         h = self.initial_state(h_pre, noise=noise)
         for e in range(wanted[-1] + 1):
             if e > 0:
-                h = self.recur(h, h_pre)
+                h = self.recur(h, h_pre, layout=layout)
             if e in wanted:
-                yield e, self.readout(h)
+                yield e, self.readout(h, layout=layout)
 
     def train_depth(self, seed: int, step: int, micro_step: int | None = None) -> int:
         """p = Poisson(LogNormal(log r - sigma^2/2, sigma)) + 1 from a generator seeded by sha256(seed, step), or by

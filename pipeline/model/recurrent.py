@@ -1,7 +1,9 @@
-"""The frame the prelude / core / coda models share (GRT, Poisson, MoR, RRT): token and position embeddings, prelude
-blocks run once, ``recur`` (one recurrence step as a module, its looped blocks in ``recur.blocks``), coda blocks, a
-final LN and the tied head; shorthand ``n_prelude + n_core x n_recurrence + n_coda``. Each model file adds its step
-and its loop; parallelism finds the same parts in every model (:mod:`pipeline.train.parallelize`)."""
+"""The frame the prelude / core / coda models share (GRT, Poisson, MoR, RRT, RecurTrace): token embeddings (and
+learned positions with the gpt2 block), prelude blocks of ``model.block`` run once, ``recur`` (one recurrence step as
+a module, its looped blocks in ``recur.blocks``), coda blocks, a final norm and the tied head; shorthand
+``n_prelude + n_core x n_recurrence + n_coda``. Each model file adds its step and its loop, and builds one
+:func:`~pipeline.model.layers.token_layout` per forward for :meth:`RecurrentLM.encode`, its steps and
+:meth:`RecurrentLM.readout`; parallelism finds the same parts in every model (:mod:`pipeline.train.parallelize`)."""
 from __future__ import annotations
 
 import torch
@@ -9,41 +11,43 @@ import torch.nn as nn
 
 from pipeline.model.configs import RecurrentConfig
 from pipeline.model.interface import LanguageModel
-from pipeline.model.layers import Block
 from pipeline.model.layers import KVCache
-from pipeline.model.layers import LayerNorm
-from pipeline.model.layers import TokenEmbedding
 from pipeline.model.layers import cache_slot
+from pipeline.model.layers import final_norm
+from pipeline.model.layers import lm_head
+from pipeline.model.layers import token_embedding
+from pipeline.model.layers import transformer_block
+from pipeline.model.layout import TokenLayout
 
 
 class RecurrentLM(LanguageModel):
     def __init__(self, cfg: RecurrentConfig, recur: nn.Module):
         super().__init__()
         self.cfg = cfg
-        d = cfg.d_model
-        self.embed = TokenEmbedding(cfg.vocab_size, cfg.block_size, d, cfg.dropout)
-        self.prelude = nn.ModuleList(Block(d, cfg.n_head, cfg.dropout, cfg.bias) for _ in range(cfg.n_prelude))
+        self.embed = token_embedding(cfg)
+        self.prelude = nn.ModuleList(transformer_block(cfg) for _ in range(cfg.n_prelude))
         self.recur = recur
-        self.coda = nn.ModuleList(Block(d, cfg.n_head, cfg.dropout, cfg.bias) for _ in range(cfg.n_coda))
-        self.ln_f = LayerNorm(d, cfg.bias)
-        self.lm_head = nn.Linear(d, cfg.vocab_size, bias=False)
-        self.lm_head.weight = self.embed.wte.weight  # tied head
+        self.coda = nn.ModuleList(transformer_block(cfg) for _ in range(cfg.n_coda))
+        self.ln_f = final_norm(cfg)
+        self.lm_head = lm_head(cfg, self.embed)  # tied head
 
     def recurrent_core(self) -> nn.Module:
         return self.recur
 
-    def encode(self, idx: torch.Tensor, start: int | torch.Tensor = 0, cache: KVCache | None = None) -> torch.Tensor:
+    def encode(self, idx: torch.Tensor, start: int | torch.Tensor = 0, cache: KVCache | None = None,
+               layout: TokenLayout | None = None) -> torch.Tensor:
         """Embeddings and prelude: h_pre, what the recurrence starts from or re-injects. ``start``: what
-        ``cache.begin(idx)`` returned (the first position, per row in a left-padded batch)."""
-        h = self.embed(idx, start)
+        ``cache.begin(idx)`` returned (the first position, per row in a left-padded batch). ``layout``: the
+        forward's :func:`~pipeline.model.layers.token_layout` (documents, rotary angles), built once per forward."""
+        h = self.embed(idx, start, layout)
         for block in self.prelude:
-            h = block(h, cache_slot(cache, block))
+            h = block(h, cache_slot(cache, block), layout=layout)
         return h
 
-    def readout(self, h: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
-        """Coda and final LN: the states the head reads."""
+    def readout(self, h: torch.Tensor, cache: KVCache | None = None, layout: TokenLayout | None = None) -> torch.Tensor:
+        """Coda and final norm: the states the head reads (``layout``: the forward's, as for :meth:`encode`)."""
         for block in self.coda:
-            h = block(h, cache_slot(cache, block))
+            h = block(h, cache_slot(cache, block), layout=layout)
         return self.ln_f(h)
 
     def grad_free_steps(self, n: int) -> int:

@@ -8,12 +8,13 @@ here is the layer's key/value projections of its input at those iterations (what
 keys then), so no new parameters. ``model.loop_memory``: ``union`` (one softmax over both key sets, the simplest
 reading), ``separate`` (two softmaxes, their outputs added), ``none`` (the plain looped model, for ablations).
 
-Halting head. A LayerNorm and Linear(d, 1) read the loop state after each iteration i and predict "continue". Its
-target comes from an oracle on detached per-iteration losses: continue_i(t) = 1 if the token's next-token loss after
-iteration i + 1 is lower than after iteration i (coda + head applied to each iteration's state), for i = 1..R-1;
-BCE with weight ``model.halt_coef``. The head reads a detached state (``halt_detach``, default true), so it learns
-to read the trunk without steering it (the abstract is silent on this). Training always runs all R loops. The
-oracle's per-token losses come from the fused chunked head (ops.linear_cross_entropy), never the full logits.
+Halting head. A norm (LayerNorm, or RMSNorm with the llama block) and Linear(d, 1) read the loop state after each
+iteration i and predict "continue". Its target comes from an oracle on detached per-iteration losses: continue_i(t)
+= 1 if the token's next-token loss after iteration i + 1 is lower than after iteration i (coda + head applied to
+each iteration's state), for i = 1..R-1; BCE with weight ``model.halt_coef``. The head reads a detached state
+(``halt_detach``, default true), so it learns to read the trunk without steering it (the abstract is silent on
+this). Training always runs all R loops. The oracle's per-token losses come from the fused chunked head
+(ops.linear_cross_entropy), never the full logits.
 
 Halting at inference (``n_steps`` not given): a token whose P(continue) after an iteration is below
 ``halt_threshold`` stops; the others go on until all stop or R loops. A stopped token is not run any more: its state
@@ -27,9 +28,16 @@ skips stopped tokens computes. The compact KV strategies (last | first | average
 stopped token's repeated K/V included. ``halt_mode: sequence``: a row stops when its tokens' mean P(continue) does,
 the mean over the tokens of the forward: the whole prompt at prefill, the new token at decode (so it is per-token
 there), and over a whole sequence it lets later tokens decide earlier ones' depth: not causal, and a cached decode
-differs from one forward. ``last_loops`` ([B, T]) and ``last_mean_loops`` hold the loops of the last such forward
+differs from one forward; with documents (``docs``) the mean is per document, so each document stops on its own
+tokens' mean, as if alone. ``last_loops`` ([B, T]) and ``last_mean_loops`` hold the loops of the last such forward
 (pads of a left-padded batch included). An explicit ``n_steps`` runs exactly that many loops for every token (exit
 curves, and the lm-eval adapter, which scores at ``n_steps``, default R: the threshold-0 model).
+
+The llama block (``model.block: llama``): the looped layers take its parts (RMSNorm, q/k/v/o_proj with grouped-query
+heads, optional QK-norm, SwiGLU); every key is rotated by its token's position, so a token's loop memory (its own
+keys of earlier iterations) sits at relative distance 0 from its query. Document masking (``docs``): the positional
+attention stays inside each document and positions restart there; the loop memory is each token's own, so it never
+crosses a document.
 """
 from __future__ import annotations
 
@@ -46,15 +54,22 @@ from pipeline.model.fp32_linear import FP32Linear
 from pipeline.model.fp32_linear import autocast_off
 from pipeline.model.layers import MLP
 from pipeline.model.layers import KVCache
-from pipeline.model.layers import LayerNorm
 from pipeline.model.layers import acc_dtype
 from pipeline.model.layers import at_step
 from pipeline.model.layers import block_flops_per_token
 from pipeline.model.layers import cache_slot
 from pipeline.model.layers import copy_full
+from pipeline.model.layers import final_norm
 from pipeline.model.layers import head_flops_per_token
 from pipeline.model.layers import head_output
 from pipeline.model.layers import init_gpt2_weights
+from pipeline.model.layers import predicted_weight
+from pipeline.model.layers import token_layout
+from pipeline.model.layout import TokenLayout
+from pipeline.model.llama import RMSNorm
+from pipeline.model.llama import SwiGLU
+from pipeline.model.llama import apply_rotary
+from pipeline.model.llama import swiglu_hidden
 from pipeline.model.recurrent import RecurrentLM
 
 _ROWS_BYTES = 1 << 26  # fp32 scores of one chunk of query rows in the union attention (64 MiB)
@@ -142,60 +157,106 @@ def loop_softmax(q: torch.Tensor, mk: torch.Tensor, mv: torch.Tensor, scale: flo
 
 
 class LoopMemoryAttention(nn.Module):
+    """Attention over the causal positions and each token's own loop memory: GPT-2's projections (c_attn, c_proj)
+    or, with ``model.block: llama``, the llama block's (q/k/v/o_proj, grouped-query heads, optional QK-norm, rotary
+    angles of each token's position: a token's loop-memory keys sit at its own position, relative distance 0)."""
+
     def __init__(self, cfg: RecurTraceConfig):
         super().__init__()
         d = cfg.d_model
-        self.n_head, self.mode = cfg.n_head, cfg.loop_memory
-        self.c_attn = nn.Linear(d, 3 * d, bias=cfg.bias)
-        self.c_proj = nn.Linear(d, d, bias=cfg.bias)
-        self.c_proj.is_residual_projection = True
+        self.n_head, self.mode, self.llama = cfg.n_head, cfg.loop_memory, cfg.block == "llama"
+        if self.llama:
+            hd, kv_heads = d // cfg.n_head, cfg.kv_heads()
+            self.n_kv_head = kv_heads
+            self.q_proj = nn.Linear(d, d, bias=False)
+            self.k_proj = nn.Linear(d, kv_heads * hd, bias=False)
+            self.v_proj = nn.Linear(d, kv_heads * hd, bias=False)
+            self.o_proj = nn.Linear(d, d, bias=False)
+            self.o_proj.is_residual_projection = True
+            self.q_norm = RMSNorm(hd) if cfg.qk_norm else None
+            self.k_norm = RMSNorm(hd) if cfg.qk_norm else None
+        else:
+            self.c_attn = nn.Linear(d, 3 * d, bias=cfg.bias)
+            self.c_proj = nn.Linear(d, d, bias=cfg.bias)
+            self.c_proj.is_residual_projection = True
         self.resid_dropout = nn.Dropout(cfg.dropout)
 
-    def forward(self, x: torch.Tensor, memory: list, kv=None, halted=None):
-        """x [B, T, C]; ``memory``: this layer's (k, v) [B, H, T, hd] of the earlier iterations. ``halted``
-        (inference): (active [B, T] bool, (k, v) of each token's last iteration run): a halted token offers that K/V
-        instead of this iteration's. Returns the attention output and this iteration's (k, v) as offered."""
+    def qkv(self, x: torch.Tensor, layout: TokenLayout | None):
+        """q [B, H, T, hd] and k, v [B, kv heads, T, hd] of ``x`` (rotated by the layout's angles: llama)."""
         B, T, C = x.shape
-        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in self.c_attn(x).split(C, 2))
+        hd = C // self.n_head
+        if not self.llama:
+            return (t.view(B, T, self.n_head, hd).transpose(1, 2) for t in self.c_attn(x).split(C, 2))
+        if layout is None or layout.rope is None:
+            raise ValueError("a llama loop-memory block needs the forward's TokenLayout with rotary angles")
+        q = self.q_proj(x).view(B, T, self.n_head, hd).transpose(1, 2)
+        k = self.k_proj(x).view(B, T, self.n_kv_head, hd).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, self.n_kv_head, hd).transpose(1, 2)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        cos, sin = layout.rope.cos, layout.rope.sin
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
+
+    def forward(self, x: torch.Tensor, memory: list, kv=None, halted=None, layout: TokenLayout | None = None):
+        """x [B, T, C]; ``memory``: this layer's (k, v) [B, kv heads, T, hd] of the earlier iterations. ``halted``
+        (inference): (active [B, T] bool, (k, v) of each token's last iteration run): a halted token offers that K/V
+        instead of this iteration's. ``layout``: the forward's (documents, rotary angles). Returns the attention
+        output and this iteration's (k, v) as offered."""
+        B, T, C = x.shape
+        q, k, v = self.qkv(x, layout)
         if halted is not None:
             ran, (k_last, v_last) = halted[0][:, None, :, None], halted[1]
             k, v = torch.where(ran, k, k_last), torch.where(ran, v, v_last)
         keys, values, key_mask = (k, v, None) if kv is None else kv.update(k, v)
-        y = self.attend(q, keys, values, key_mask, memory if self.mode != "none" else [])
+        y = self.attend(q, keys, values, key_mask, memory if self.mode != "none" else [], layout)
         y = y.transpose(1, 2).reshape(B, T, C)
-        return self.resid_dropout(self.c_proj(y)), (k, v)
+        return self.resid_dropout((self.o_proj if self.llama else self.c_proj)(y)), (k, v)
 
-    def attend(self, q, keys, values, key_mask, memory: list) -> torch.Tensor:
-        """q [B, H, T, hd] over ``keys``/``values`` [B, H, past + T, hd] (cached keys, then causal; ``key_mask``
-        [B, past + T]: left pads are no keys, each query still sees itself) and each token's loop ``memory`` (a list
-        of (k, v) [B, H, T, hd], one per earlier iteration). Scores in fp32: SDPA's kernels where no loop memory
-        joins the softmax (as GPT's blocks: the scores accumulate in fp32 inside), :class:`_UnionAttention` where it
-        does, fp32 by hand over the [B, H, T, iterations] loop scores of ``separate``."""
+    def attend(self, q, keys, values, key_mask, memory: list, layout: TokenLayout | None = None) -> torch.Tensor:
+        """q [B, H, T, hd] over ``keys``/``values`` [B, kv heads, past + T, hd] (cached keys, then causal, inside
+        each document of the ``layout``; ``key_mask`` [B, past + T]: left pads are no keys, each query still sees
+        itself) and each token's loop ``memory`` (a list of (k, v) [B, kv heads, T, hd], one per earlier
+        iteration: the token's own, so never across documents). Scores in fp32: SDPA's kernels where no loop
+        memory joins the softmax (as GPT's blocks: the scores accumulate in fp32 inside), :class:`_UnionAttention`
+        where it does, fp32 by hand over the [B, H, T, iterations] loop scores of ``separate``."""
         if not memory:
-            return causal_attention(q, keys, values, key_mask=key_mask)
+            return causal_attention(q, keys, values, key_mask=key_mask, layout=layout)
         scale = 1 / math.sqrt(q.shape[-1])
         mk, mv = torch.stack([m for m, _ in memory], -2), torch.stack([m for _, m in memory], -2)  # [B, H, T, i-1, hd]
+        group = q.shape[1] // mk.shape[1]
+        if group > 1:  # grouped-query heads: query head h reads kv head h // group (as SDPA's enable_gqa)
+            mk, mv = mk.repeat_interleave(group, dim=1), mv.repeat_interleave(group, dim=1)
         if self.mode == "separate":
-            return causal_attention(q, keys, values, key_mask=key_mask) + loop_softmax(q, mk, mv, scale)
+            return causal_attention(q, keys, values, key_mask=key_mask, layout=layout) + loop_softmax(q, mk, mv, scale)
+        if group > 1:
+            keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
         T, past = q.shape[2], keys.shape[2] - q.shape[2]
         query_pos = torch.arange(past, past + T, device=q.device)[:, None]
         key_pos = torch.arange(past + T, device=q.device)[None, :]
         allowed = key_pos <= query_pos  # cached keys, then causal
         if key_mask is not None:
             allowed = allowed & (key_mask[:, None, None, :] | (key_pos == query_pos))
+        if layout is not None and layout.docs is not None:  # inside each document (no cache: whole windows)
+            allowed = allowed & layout.dense_mask()
         return _UnionAttention.apply(scale, allowed, q, keys, values, mk, mv)
 
 
 class LoopBlock(nn.Module):
+    """A pre-norm block of ``model.block`` whose attention also reads its loop memory."""
+
     def __init__(self, cfg: RecurTraceConfig):
         super().__init__()
-        self.ln_1 = LayerNorm(cfg.d_model, cfg.bias)
+        d = cfg.d_model
+        self.ln_1 = final_norm(cfg)  # LayerNorm (gpt2) or RMSNorm (llama)
         self.attn = LoopMemoryAttention(cfg)
-        self.ln_2 = LayerNorm(cfg.d_model, cfg.bias)
-        self.mlp = MLP(cfg.d_model, cfg.dropout, cfg.bias)
+        self.ln_2 = final_norm(cfg)
+        if cfg.block == "llama":
+            self.mlp = SwiGLU(d, swiglu_hidden(d, cfg.swiglu_ratio(), cfg.mlp_multiple), cfg.dropout)
+        else:
+            self.mlp = MLP(d, cfg.dropout, cfg.bias)
 
-    def forward(self, x, memory, kv=None, halted=None):
-        a, kv_now = self.attn(self.ln_1(x), memory, kv, halted)
+    def forward(self, x, memory, kv=None, halted=None, layout: TokenLayout | None = None):
+        a, kv_now = self.attn(self.ln_1(x), memory, kv, halted, layout)
         x = x + a
         return x + self.mlp(self.ln_2(x)), kv_now
 
@@ -203,19 +264,29 @@ class LoopBlock(nn.Module):
 class LoopStep(nn.Module):
     """One iteration of the looped core: h <- blocks(h), each block reading its own loop memory. Returns the new
     state and each block's (k, v) of this iteration (the caller keeps them as the next iterations' memory).
-    ``halted`` (inference): (active [B, T], each block's (k, v) of the last iteration each token ran)."""
+    ``halted`` (inference): (active [B, T], each block's (k, v) of the last iteration each token ran); ``layout``:
+    the forward's."""
 
     def __init__(self, cfg: RecurTraceConfig):
         super().__init__()
         self.blocks = nn.ModuleList(LoopBlock(cfg) for _ in range(cfg.n_core))
 
-    def forward(self, h: torch.Tensor, memories: list, cache=None, halted=None):
+    def forward(self, h: torch.Tensor, memories: list, cache=None, halted=None, layout: TokenLayout | None = None):
         new = []
         for j, (block, memory) in enumerate(zip(self.blocks, memories)):
             last = None if halted is None else (halted[0], halted[1][j])
-            h, kv_now = block(h, memory, cache_slot(cache, block), last)
+            h, kv_now = block(h, memory, cache_slot(cache, block), last, layout)
             new.append(kv_now)
         return h, new
+
+
+def document_mean(x: torch.Tensor, docs: torch.Tensor) -> torch.Tensor:
+    """[B, T] -> each token's mean of ``x`` over the tokens of its document (``docs`` [B, T], non-decreasing)."""
+    d = docs - docs[:, :1]  # 0.. in each row
+    n = int(d.max()) + 1
+    sums = x.new_zeros(x.shape[0], n).scatter_add_(1, d, x)
+    counts = x.new_zeros(x.shape[0], n).scatter_add_(1, d, torch.ones_like(x))
+    return (sums / counts.clamp(min=1)).gather(1, d)
 
 
 def oracle_targets(losses: torch.Tensor) -> torch.Tensor:
@@ -227,7 +298,7 @@ class RecurTrace(RecurrentLM):
 
     def __init__(self, cfg: RecurTraceConfig):
         super().__init__(cfg, LoopStep(cfg))
-        self.ln_halt = LayerNorm(cfg.d_model, cfg.bias)
+        self.ln_halt = final_norm(cfg)
         self.halt = FP32Linear(cfg.d_model, 1, bias=True)  # the logit in fp32: BCE and the threshold read it
         self.last_loops: torch.Tensor | None = None  # [B, T] loops each token ran in the last halting forward
         self.last_mean_loops: float | None = None
@@ -239,62 +310,70 @@ class RecurTrace(RecurrentLM):
         """[B, T] logit of P(continue) read from the loop state."""
         return self.halt(self.ln_halt(h.detach() if self.cfg.halt_detach else h)).squeeze(-1)
 
-    def iterate(self, h: torch.Tensor, n: int, cache: KVCache | None = None):
+    def iterate(self, h: torch.Tensor, n: int, cache: KVCache | None = None, layout: TokenLayout | None = None):
         """Yield the state after each of n iterations, the loop memory carried along."""
         memories = [[] for _ in self.recur.blocks]
         for i in range(n):
             # a snapshot (tuples): activation checkpointing (core_step, blocks) recomputes the step in backward with
             # the memory it saw here, not the lists as the later loops have grown them
-            h, new = self.recur(h, [tuple(m) for m in memories], at_step(cache, i))
+            h, new = self.recur(h, [tuple(m) for m in memories], at_step(cache, i), layout=layout)
             for memory, kv_now in zip(memories, new):
                 memory.append(kv_now)
             yield h
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, n_steps: int | None = None,
-                cache: KVCache | None = None):
+                cache: KVCache | None = None, docs: torch.Tensor | None = None):
+        """(logits, None) or (None, loss); ``docs`` [B, T]: each token's document (attention, loop memory and the
+        sequence-mode halting mean stay inside it)."""
         cfg = self.cfg
         start = cache.begin(idx) if cache is not None else 0
-        h0 = self.encode(idx, start, cache)
+        layout = token_layout(cfg, idx, start, docs)
+        h0 = self.encode(idx, start, cache, layout)
         if targets is not None and self.training:
-            states = list(self.iterate(h0, cfg.n_recurrence))
-            head_in = self.readout(states[-1])
+            states = list(self.iterate(h0, cfg.n_recurrence, layout=layout))
+            head_in = self.readout(states[-1], layout=layout)
             if cfg.halt_coef == 0 or cfg.n_recurrence == 1:
                 return head_output(self.lm_head, head_in, targets)
             # the LM loss's fused head also hands over each token's CE: the oracle's last row, one head pass fewer
             last = torch.empty(targets.shape, dtype=torch.promote_types(head_in.dtype, torch.float32),
                                device=targets.device)
-            loss = linear_cross_entropy(head_in, self.lm_head.weight, targets, token_losses=last)
-            return None, loss + cfg.halt_coef * self.halting_loss(states, targets, last)
+            loss = linear_cross_entropy(head_in, predicted_weight(self.lm_head), targets, token_losses=last)
+            return None, loss + cfg.halt_coef * self.halting_loss(states, targets, last, layout)
         if n_steps is not None:
             h = h0
-            for h in self.iterate(h0, n_steps, cache):
+            for h in self.iterate(h0, n_steps, cache, layout):
                 pass
         else:
-            h = self.halted_state(h0, cache)
-        out = head_output(self.lm_head, self.readout(h, cache), targets)
+            h = self.halted_state(h0, cache, layout)
+        out = head_output(self.lm_head, self.readout(h, cache, layout), targets)
         if cache is not None:
             cache.advance()
         return out
 
     @torch.no_grad()
-    def oracle_losses(self, states: list, targets: torch.Tensor, last: torch.Tensor | None = None) -> torch.Tensor:
+    def oracle_losses(self, states: list, targets: torch.Tensor, last: torch.Tensor | None = None,
+                      layout: TokenLayout | None = None) -> torch.Tensor:
         """[R, B, T] detached next-token losses (nats; fp32, fp64 for an fp64 model) of coda + head on each
         iteration's state, 0 where the target is -1, from the fused chunked head (ops.linear_cross_entropy, per
         token): the [B, T, V] logits never exist (R of them per step took more memory traffic than the rest of a
         training step at the toy's shape). ``last``: the last iteration's losses when the caller has them."""
         todo = states if last is None else states[:-1]
-        losses = [linear_cross_entropy(self.readout(s), self.lm_head.weight, targets, reduction="none") for s in todo]
+        weight = predicted_weight(self.lm_head)
+        losses = [linear_cross_entropy(self.readout(s, layout=layout), weight, targets, reduction="none")
+                  for s in todo]
         return torch.stack(losses + ([] if last is None else [last.to(losses[0].dtype)]))
 
-    def halting_loss(self, states: list, targets: torch.Tensor, last: torch.Tensor | None = None) -> torch.Tensor:
+    def halting_loss(self, states: list, targets: torch.Tensor, last: torch.Tensor | None = None,
+                     layout: TokenLayout | None = None) -> torch.Tensor:
         """BCE of the halting head after iterations 1..R-1 against the oracle (detached per-token losses; ``last``:
         those after iteration R, if the caller has them)."""
-        target = oracle_targets(self.oracle_losses(states, targets, last))
+        target = oracle_targets(self.oracle_losses(states, targets, last, layout))
         logits = torch.stack([self.halt_logit(s) for s in states[:-1]])
         valid = (targets >= 0).expand_as(logits)
         return F.binary_cross_entropy_with_logits(logits[valid].float(), target[valid].float())
 
-    def halted_state(self, h: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+    def halted_state(self, h: torch.Tensor, cache: KVCache | None = None,
+                     layout: TokenLayout | None = None) -> torch.Tensor:
         """Run up to R loops, each token (or row) stopping once P(continue) < halt_threshold: a stopped token keeps
         its state and, at every later iteration, each looped layer offers it as a key with its K/V of the last
         iteration it ran (module docstring). Sets ``last_loops`` and ``last_mean_loops``."""
@@ -304,39 +383,45 @@ class RecurTrace(RecurrentLM):
         memories = [[] for _ in self.recur.blocks]
         for i in range(cfg.n_recurrence):
             halted = None if i == 0 else (active, [memory[-1] for memory in memories])  # [-1]: each token's last run
-            new, kv_now = self.recur(h, [tuple(m) for m in memories], at_step(cache, i), halted)
+            new, kv_now = self.recur(h, [tuple(m) for m in memories], at_step(cache, i), halted, layout)
             for memory, kv in zip(memories, kv_now):
                 memory.append(kv)
             loops = loops + active
             h = torch.where(active[..., None], new, h)
-            active = active & self.continues(self.halt_logit(h))
+            active = active & self.continues(self.halt_logit(h), None if layout is None else layout.docs)
             if not bool(active.any()):
                 break  # with a cache, advance() gives the steps not run each token's last K/V: the same rule
         self.last_loops, self.last_mean_loops = loops, float(loops.mean())
         return h
 
-    def continues(self, logit: torch.Tensor) -> torch.Tensor:
+    def continues(self, logit: torch.Tensor, docs: torch.Tensor | None = None) -> torch.Tensor:
         """[B, T] bool: which tokens go on after this iteration. Threshold 0 and 1 are exact (always / never: a
         saturated sigmoid is 1.0 in fp32 from logit ~17, in bf16 from ~8, so ``p >= 1`` would keep a confident head
-        looping); per token the test is on the logit, logit >= log(th / (1 - th)), the same as P >= th."""
+        looping); per token the test is on the logit, logit >= log(th / (1 - th)), the same as P >= th. Sequence
+        mode takes the mean over each row, or over each document of ``docs`` [B, T]."""
         th = self.cfg.halt_threshold
         if th <= 0 or th >= 1:
             return torch.full(logit.shape, th <= 0, dtype=torch.bool, device=logit.device)
         if self.cfg.halt_mode == "token":
             return logit >= math.log(th / (1 - th))
-        return (torch.sigmoid(logit.float()).mean(-1, keepdim=True) >= th).expand(logit.shape)
+        p = torch.sigmoid(logit.float())
+        if docs is None:
+            return (p.mean(-1, keepdim=True) >= th).expand(logit.shape)
+        return document_mean(p, docs) >= th
 
-    def exit_states(self, idx: torch.Tensor, exits, gates: dict | None = None, *, noise: bool = False):
-        """(e, coda + final LN of the state after e loops) for each e in ``exits`` (0: the prelude output)."""
+    def exit_states(self, idx: torch.Tensor, exits, gates: dict | None = None, *, noise: bool = False,
+                    docs: torch.Tensor | None = None):
+        """(e, coda + final norm of the state after e loops) for each e in ``exits`` (0: the prelude output)."""
         if noise:
             raise ValueError("model.type=recurtrace has no inference noise; set eval.noise=false")
         wanted = sorted(set(exits))
-        h = self.encode(idx)
+        layout = token_layout(self.cfg, idx, docs=docs)
+        h = self.encode(idx, layout=layout)
         if 0 in wanted:
-            yield 0, self.readout(h)
-        for e, s in enumerate(self.iterate(h, wanted[-1]), 1):
+            yield 0, self.readout(h, layout=layout)
+        for e, s in enumerate(self.iterate(h, wanted[-1], layout=layout), 1):
             if e in wanted:
-                yield e, self.readout(s)
+                yield e, self.readout(s, layout=layout)
 
     def train_depth(self, seed: int, step: int, micro_step: int | None = None) -> None:
         return None  # training runs all n_recurrence loops

@@ -86,4 +86,11 @@ def model_info(cfg: ModelConfig) -> dict:
     # how the method's real cost differs from the Eq. 1 figure above (capacities, extra heads, sampled depth, ...)
     info["flops_notes"] = cls.flops_notes(cfg)
     info["d_model"] = cfg.d_model
+    if cfg.block != "gpt2" or cfg.embedding_rows() != cfg.vocab_size:  # the paper's recipes print what they did
+        from pipeline.model.llama import swiglu_hidden
+
+        info.update(block=cfg.block, n_head=cfg.n_head, n_kv_head=cfg.kv_heads(), vocab_size=cfg.vocab_size,
+                    embedding_rows=cfg.embedding_rows())
+        if cfg.block == "llama":
+            info["mlp_hidden"] = swiglu_hidden(cfg.d_model, cfg.swiglu_ratio(), cfg.mlp_multiple)
     return info

@@ -14,6 +14,11 @@ core_r is the shared core with every projection (attention c_attn and c_proj, ML
 where W, b are shared by all recursions and (A_r, B_r) belong to recursion r alone. B_r = 0 at init, so every
 recursion starts as the strictly shared model. RRT is depth-fixed (one LoRA per recursion): it trains at N_r with
 the plain next-token loss and exits at e = 0..N_r, exit e using the LoRAs of recursions 1..e.
+
+With the llama block (``model.block: llama``) the core is the llama block with the same relaxation on each of its
+seven projections (q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj: no biases); prelude and coda are
+the standard blocks of ``model.block``. Under document masking one
+:class:`~pipeline.model.layout.TokenLayout` per forward serves every block of every recursion.
 """
 from __future__ import annotations
 
@@ -26,14 +31,20 @@ from pipeline.model.configs import RRTConfig
 from pipeline.model.layers import KVCache
 from pipeline.model.layers import KVCacheAtStep
 from pipeline.model.layers import KVSlot
-from pipeline.model.layers import LayerNorm
 from pipeline.model.layers import at_step
 from pipeline.model.layers import block_flops_per_token
+from pipeline.model.layers import block_weight_params
 from pipeline.model.layers import cache_slot
 from pipeline.model.layers import copy_full
+from pipeline.model.layers import final_norm
 from pipeline.model.layers import head_flops_per_token
 from pipeline.model.layers import head_output
 from pipeline.model.layers import init_gpt2_weights
+from pipeline.model.layers import token_layout
+from pipeline.model.layout import TokenLayout
+from pipeline.model.llama import RMSNorm
+from pipeline.model.llama import apply_rotary
+from pipeline.model.llama import swiglu_hidden
 from pipeline.model.recurrent import RecurrentLM
 
 
@@ -72,14 +83,15 @@ class RRTAttention(nn.Module):
         self.dropout = cfg.dropout
         self.resid_dropout = nn.Dropout(cfg.dropout)
 
-    def forward(self, x: torch.Tensor, r: int, kv: KVSlot | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, r: int, kv: KVSlot | None = None,
+                layout: TokenLayout | None = None) -> torch.Tensor:
         B, T, C = x.shape
         q, k, v = self.c_attn(x, r).split(C, dim=2)
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
         key_mask = None
         if kv is not None:
             k, v, key_mask = kv.update(k, v)  # key_mask: a left-padded batch's pads
-        y = causal_attention(q, k, v, self.dropout if self.training else 0.0, key_mask)
+        y = causal_attention(q, k, v, self.dropout if self.training else 0.0, key_mask, layout)
         y = y.transpose(1, 2).contiguous().view(B, T, C)
         return self.resid_dropout(self.c_proj(y, r))
 
@@ -97,18 +109,73 @@ class RRTMLP(nn.Module):
         return self.dropout(self.c_proj(F.gelu(self.c_fc(x, r)), r))
 
 
-class RRTBlock(nn.Module):
-    """A pre-LN block (layers.Block's names and math) whose projections carry one LoRA per recursion."""
+class RRTLlamaAttention(nn.Module):
+    """llama.LlamaAttention (grouped-query, rotary, optional QK-norm) with LoRA'd q/k/v/o projections."""
 
     def __init__(self, cfg: RRTConfig):
         super().__init__()
-        self.ln_1 = LayerNorm(cfg.d_model, cfg.bias)
-        self.attn = RRTAttention(cfg)
-        self.ln_2 = LayerNorm(cfg.d_model, cfg.bias)
-        self.mlp = RRTMLP(cfg)
+        d, lora = cfg.d_model, (cfg.n_recurrence, cfg.lora_rank, cfg.lora_alpha)
+        self.n_head, self.n_kv_head, self.head_dim = cfg.n_head, cfg.kv_heads(), d // cfg.n_head
+        d_kv = self.n_kv_head * self.head_dim
+        self.q_proj = LoRALinear(d, d, False, *lora)
+        self.k_proj = LoRALinear(d, d_kv, False, *lora)
+        self.v_proj = LoRALinear(d, d_kv, False, *lora)
+        self.o_proj = LoRALinear(d, d, False, *lora)
+        self.o_proj.is_residual_projection = True
+        self.q_norm = RMSNorm(self.head_dim) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim) if cfg.qk_norm else None
+        self.dropout = cfg.dropout
+        self.resid_dropout = nn.Dropout(cfg.dropout)
 
-    def forward(self, x: torch.Tensor, r: int, kv: KVSlot | None = None) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x), r, kv)
+    def forward(self, x: torch.Tensor, r: int, kv: KVSlot | None = None,
+                layout: TokenLayout | None = None) -> torch.Tensor:
+        B, T, _ = x.shape
+        hd = self.head_dim
+        q = self.q_proj(x, r).view(B, T, self.n_head, hd).transpose(1, 2)
+        k = self.k_proj(x, r).view(B, T, self.n_kv_head, hd).transpose(1, 2)
+        v = self.v_proj(x, r).view(B, T, self.n_kv_head, hd).transpose(1, 2)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, layout.rope.cos, layout.rope.sin), apply_rotary(k, layout.rope.cos, layout.rope.sin)
+        key_mask = None
+        if kv is not None:
+            k, v, key_mask = kv.update(k, v)  # key_mask: a left-padded batch's pads
+        y = causal_attention(q, k, v, self.dropout if self.training else 0.0, key_mask, layout)
+        return self.resid_dropout(self.o_proj(y.transpose(1, 2).reshape(B, T, self.n_head * hd), r))
+
+
+class RRTSwiGLU(nn.Module):
+    """llama.SwiGLU with LoRA'd gate/up/down projections."""
+
+    def __init__(self, cfg: RRTConfig):
+        super().__init__()
+        d, lora = cfg.d_model, (cfg.n_recurrence, cfg.lora_rank, cfg.lora_alpha)
+        f = swiglu_hidden(d, cfg.swiglu_ratio(), cfg.mlp_multiple)
+        self.gate_proj = LoRALinear(d, f, False, *lora)
+        self.up_proj = LoRALinear(d, f, False, *lora)
+        self.down_proj = LoRALinear(f, d, False, *lora)
+        self.down_proj.is_residual_projection = True
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor, r: int) -> torch.Tensor:
+        return self.dropout(self.down_proj(F.silu(self.gate_proj(x, r)) * self.up_proj(x, r), r))
+
+
+class RRTBlock(nn.Module):
+    """A pre-norm block of ``model.block`` (layers.Block's or llama.LlamaBlock's names and math) whose projections
+    carry one LoRA per recursion."""
+
+    def __init__(self, cfg: RRTConfig):
+        super().__init__()
+        llama = cfg.block == "llama"
+        self.ln_1 = final_norm(cfg)
+        self.attn = RRTLlamaAttention(cfg) if llama else RRTAttention(cfg)
+        self.ln_2 = final_norm(cfg)
+        self.mlp = RRTSwiGLU(cfg) if llama else RRTMLP(cfg)
+
+    def forward(self, x: torch.Tensor, r: int, kv: KVSlot | None = None,
+                layout: TokenLayout | None = None) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), r, kv, layout)
         return x + self.mlp(self.ln_2(x), r)
 
 
@@ -120,9 +187,10 @@ class RRTRecursion(nn.Module):
         super().__init__()
         self.blocks = nn.ModuleList(RRTBlock(cfg) for _ in range(cfg.n_core))
 
-    def forward(self, h: torch.Tensor, r: int, cache: KVCacheAtStep | None = None) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, r: int, cache: KVCacheAtStep | None = None,
+                layout: TokenLayout | None = None) -> torch.Tensor:
         for block in self.blocks:
-            h = block(h, r, cache_slot(cache, block))
+            h = block(h, r, cache_slot(cache, block), layout)
         return h
 
 
@@ -138,33 +206,36 @@ class RRT(RecurrentLM):
 
     # ------------------------------------------------------------------------------------------------ forward
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, n_steps: int | None = None,
-                cache: KVCache | None = None):
+                cache: KVCache | None = None, docs: torch.Tensor | None = None):
         """(logits, None) without targets, (None, loss) with them: the plain next-token loss, in training and
         evaluation alike (RRT's objective). ``n_steps`` = exit e in 0..N_r (default N_r). With a ``cache``, ``idx``
-        holds only the new tokens."""
+        holds only the new tokens. ``docs`` [B, T]: each token's document (attention stays inside it)."""
         n = self._depth(n_steps)
         start = cache.begin(idx) if cache is not None else 0
-        h = self.encode(idx, start, cache)
+        layout = token_layout(self.cfg, idx, start, docs)
+        h = self.encode(idx, start, cache, layout)
         for r in range(n):
-            h = self.recur(h, r, at_step(cache, r))
-        out = head_output(self.lm_head, self.readout(h, cache), targets)
+            h = self.recur(h, r, at_step(cache, r), layout)
+        out = head_output(self.lm_head, self.readout(h, cache, layout), targets)
         if cache is not None:
             cache.advance()
         return out
 
-    def exit_states(self, idx: torch.Tensor, exits, gates: dict | None = None, *, noise: bool = False):
+    def exit_states(self, idx: torch.Tensor, exits, gates: dict | None = None, *, noise: bool = False,
+                    docs: torch.Tensor | None = None):
         """One pass, yielding (e, coda + final LN of h^(e)) for each e in ``exits`` (0 = the prelude output). No
         gate: a ``gates`` dict stays empty."""
         if noise:  # nothing to turn on: this model trains without noise too (dropout is not inference noise)
             raise ValueError("model.type=rrt has no inference noise: eval.noise=true is for the types in "
                              "pipeline.model.registry.NOISY_TYPES (grt, poisson); set eval.noise=false")
         wanted = sorted(set(exits))
-        h = self.encode(idx)
+        layout = token_layout(self.cfg, idx, docs=docs)
+        h = self.encode(idx, layout=layout)
         for e in range(self._depth(wanted[-1]) + 1):
             if e > 0:
-                h = self.recur(h, e - 1)
+                h = self.recur(h, e - 1, layout=layout)
             if e in wanted:
-                yield e, self.readout(h)
+                yield e, self.readout(h, layout=layout)
 
     def _depth(self, n_steps: int | None) -> int:
         N = self.cfg.n_recurrence
@@ -181,8 +252,32 @@ class RRT(RecurrentLM):
 
     @staticmethod
     def lora_dims_sum(cfg: RRTConfig) -> int:
-        """Sum of d_in + d_out over a block's four projections: c_attn 4d, attn c_proj 2d, c_fc 5d, mlp c_proj 5d."""
-        return 16 * cfg.d_model
+        """Sum of d_in + d_out over a core block's LoRA'd projections: GPT-2's four, c_attn 4d, attn c_proj 2d, c_fc
+        5d, mlp c_proj 5d (16d); the llama block's seven, q and o 2d each, k and v d + d_kv each, gate and up d + f
+        each, down f + d (9d + 2 d_kv + 3f; d_kv = n_kv_head * head size, f the SwiGLU hidden size)."""
+        d = cfg.d_model
+        if cfg.block == "llama":
+            d_kv = cfg.kv_heads() * (d // cfg.n_head)
+            return 9 * d + 2 * d_kv + 3 * swiglu_hidden(d, cfg.swiglu_ratio(), cfg.mlp_multiple)
+        return 16 * d
+
+    @staticmethod
+    def lora_projections(cfg: RRTConfig) -> int:
+        """LoRA'd projections per core block: 4 (GPT-2's c_attn, c_proj, c_fc, c_proj) or 7 (llama's)."""
+        return 7 if cfg.block == "llama" else 4
+
+    @staticmethod
+    def shared_params(cfg: RRTConfig) -> int:
+        """Parameters of the strictly shared model (no LoRA): every block's matmul weights, norms and biases, the
+        final norm, the token embeddings (padded rows included) and, with the gpt2 block, the learned positions."""
+        d = cfg.d_model
+        if cfg.block == "llama":
+            block_p = block_weight_params(cfg) + 2 * d + (2 * (d // cfg.n_head) if cfg.qk_norm else 0)
+            final_p, positions = d, 0
+        else:
+            block_p = block_weight_params(cfg) + (13 * d if cfg.bias else 2 * d)
+            final_p, positions = (2 * d if cfg.bias else d), cfg.block_size
+        return (cfg.n_prelude + cfg.n_core + cfg.n_coda) * block_p + final_p + (cfg.embedding_rows() + positions) * d
 
     @staticmethod
     def lora_params(cfg: RRTConfig) -> int:
@@ -198,8 +293,9 @@ class RRT(RecurrentLM):
     @staticmethod
     def flops_per_token(cfg: RRTConfig, n_steps: int | None = None, with_head: bool = False,
                         seq_len: int | None = None, executed: bool = False) -> int:
-        """Paper Eq. 1: (n_pre + n_core e + n_coda)(24d^2 + 4Sd) + e * n_core * 32 rank d (the LoRA matmuls)
-        (+ 2dV for the head). ``executed`` changes nothing: the code runs exactly these matmuls."""
+        """Paper Eq. 1: (n_pre + n_core e + n_coda)(2 W + 4Sd) + e * n_core * 2 rank (sum of d_in + d_out) (the
+        LoRA matmuls: 32 rank d with GPT-2's block) (+ 2dV for the head); W the block's matmul weights (12d^2 for
+        GPT-2's block, ``block_weight_params``). ``executed`` changes nothing: the code runs exactly these matmuls."""
         S = seq_len or cfg.block_size
         f = RRT.block_executions(cfg, n_steps) * block_flops_per_token(cfg, S)
         f += RRT.lora_flops_per_token(cfg, n_steps)
@@ -207,15 +303,13 @@ class RRT(RecurrentLM):
 
     @staticmethod
     def flops_notes(cfg: RRTConfig) -> list[str]:
-        d, S = cfg.d_model, cfg.block_size
+        S = cfg.block_size
         lora_f = RRT.lora_flops_per_token(cfg)
         blocks_f = RRT.block_executions(cfg) * block_flops_per_token(cfg, S)
-        block_p = 12 * d * d + (13 * d if cfg.bias else 2 * d)
-        shared_p = ((cfg.n_prelude + cfg.n_core + cfg.n_coda) * block_p + (2 * d if cfg.bias else d)
-                    + (cfg.vocab_size + S) * d)
+        shared_p = RRT.shared_params(cfg)
         lora_p = RRT.lora_params(cfg)
-        return [f"LoRA matmuls (rank {cfg.lora_rank}, {cfg.n_recurrence} recursions x {cfg.n_core} core block(s) x 4 "
-                f"projections): {lora_f:,} FLOPs/token, {100 * lora_f / (blocks_f + lora_f):.2f}% of the Eq. 1 "
-                f"figure without head (included in it)",
+        return [f"LoRA matmuls (rank {cfg.lora_rank}, {cfg.n_recurrence} recursions x {cfg.n_core} core block(s) x "
+                f"{RRT.lora_projections(cfg)} projections): {lora_f:,} FLOPs/token, "
+                f"{100 * lora_f / (blocks_f + lora_f):.2f}% of the Eq. 1 figure without head (included in it)",
                 f"LoRA parameters: {lora_p:,} ({100 * lora_p / (shared_p + lora_p):.2f}% of the model's "
                 f"{shared_p + lora_p:,}; the strictly shared model has {shared_p:,})"]

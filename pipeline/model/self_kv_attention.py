@@ -16,7 +16,8 @@ module offers is two exact ways to do it:
 
 ``reveal(t0, t1, o)`` is the layer's rest: given the attention outputs ``o`` of positions [t0, t1) ([B, H, t1-t0,
 hd]) it computes those positions' outputs and returns their keys and values (same shape). Both functions call it
-for one position at a time, in order.
+for one position at a time, in order. With ``docs`` (document masking) a query reads only the earlier positions of
+its own document: the key masks become [B, queries, keys], and the recursion is unchanged.
 
 :class:`Traffic` counts, analytically, the elements each algorithm moves between main memory and a fast on-chip
 memory that holds one tile (its queries, keys, values and softmax statistics) — the quantity the abstract's
@@ -33,6 +34,11 @@ import torch
 
 Reveal = Callable[[int, int, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 Past = tuple[torch.Tensor, torch.Tensor, "torch.Tensor | None"]  # cached keys, values [B, H, P, hd], key mask [B, P]
+
+
+def _score_mask(key_mask: torch.Tensor) -> torch.Tensor:
+    """A key mask [B, keys] (the same for every query) or [B, queries, keys] (documents) -> broadcast to scores."""
+    return key_mask[:, None, None, :] if key_mask.dim() == 2 else key_mask[:, None]
 
 
 @dataclass
@@ -62,15 +68,15 @@ def _autocast_off(device: torch.device):
 
 def _partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, key_mask: torch.Tensor | None = None):
     """Online-softmax partial of the queries ``q`` over the keys/values ``k``, ``v`` (every key visible to every
-    query, but those ``key_mask`` [B, keys] marks False, e.g. left pads): (m, l, acc) with m the row max of the
-    scores, l = sum exp(s - m), acc = exp(s - m) @ v, all in fp32 (:func:`_up`) whatever the inputs' dtype. A row
-    with no key gets m = EMPTY, l = 0, acc = 0: it merges as nothing, whatever the other side's scale (with m = 0 a
-    partial whose scores are all below about -87 would get the weight exp(s - 0) = 0 in the merge), and two empty
-    partials merge into an empty one (no -inf - -inf)."""
+    query, but those ``key_mask`` marks False: [B, keys] for left pads, [B, queries, keys] for documents): (m, l,
+    acc) with m the row max of the scores, l = sum exp(s - m), acc = exp(s - m) @ v, all in fp32 (:func:`_up`)
+    whatever the inputs' dtype. A row with no key gets m = EMPTY, l = 0, acc = 0: it merges as nothing, whatever
+    the other side's scale (with m = 0 a partial whose scores are all below about -87 would get the weight
+    exp(s - 0) = 0 in the merge), and two empty partials merge into an empty one (no -inf - -inf)."""
     with _autocast_off(q.device):
         s = torch.einsum("bhqd,bhkd->bhqk", _up(q), _up(k)) * scale
         if key_mask is not None:
-            s = s.masked_fill(~key_mask[:, None, None, :], float("-inf"))
+            s = s.masked_fill(~_score_mask(key_mask), float("-inf"))
         m = s.amax(-1, keepdim=True)
         m = torch.where(torch.isfinite(m), m, torch.full_like(m, EMPTY))
         p = torch.exp(s - m)
@@ -123,7 +129,7 @@ class _RecomputedPartial(torch.autograd.Function):
             k, v = _up(torch.cat(kv[:n], -2)), _up(torch.cat(kv[n:], -2))
             s = (q32 @ k.transpose(-1, -2)) * scale
             if ctx.key_mask is not None:
-                s = s.masked_fill(~ctx.key_mask[:, None, None, :], float("-inf"))
+                s = s.masked_fill(~_score_mask(ctx.key_mask), float("-inf"))
             p = torch.exp(s - m32)  # 0 at masked keys
             # m is held constant (dm left out): the partial reaches the output only through exp(m) l and exp(m) acc
             # (the merges, then acc / l), which do not depend on m, so what reaches m through dm and through
@@ -155,12 +161,14 @@ def _merge(a, b):
 
 def attend_reference(q: torch.Tensor, k_own: torch.Tensor, v_own: torch.Tensor, reveal: Reveal,
                      traffic: Traffic | None = None, past: Past | None = None,
-                     key_mask: torch.Tensor | None = None) -> torch.Tensor:
+                     key_mask: torch.Tensor | None = None, docs: torch.Tensor | None = None) -> torch.Tensor:
     """Token by token: o_t = softmax(q_t . [k_own_t; P; K_<t] / sqrt(hd)) [v_own_t; P_v; V_<t], then (K_t, V_t) =
     reveal(t, t + 1, o_t). Inputs [B, H, N, hd] (``k_own``, ``v_own`` None: no own key; a query with no key at
     all gets o = 0); returns o [B, H, N, hd]. ``past``: (keys, values, mask or None)
     of earlier tokens (a KV cache), seen by every query; ``key_mask`` [B, N]: which of these positions may be keys
-    of later ones (False: a left pad). Each query always sees its own key."""
+    of later ones (False: a left pad); ``docs`` [B, N]: each position's document (a query sees only the earlier
+    positions of its own; not with ``past``). Each query always sees its own key."""
+    _check_docs(docs, past)
     n, d = q.shape[-2], q.shape[-1]
     scale = 1 / math.sqrt(d)
     B = q.shape[0]
@@ -173,7 +181,8 @@ def attend_reference(q: torch.Tensor, k_own: torch.Tensor, v_own: torch.Tensor, 
         own_k, own_v = ([], []) if k_own is None else ([k_own[..., t:t + 1, :]], [v_own[..., t:t + 1, :]])
         k = torch.cat([*own_k, p_k, *keys], dim=-2)
         v = torch.cat([*own_v, p_v, *values], dim=-2)
-        mask = torch.cat([own, p_mask, new_mask[:, :t]], dim=1)
+        earlier = new_mask[:, :t] if docs is None else new_mask[:, :t] & (docs[:, :t] == docs[:, t:t + 1])
+        mask = torch.cat([own, p_mask, earlier], dim=1)
         with _autocast_off(q.device):  # fp32 scores and softmax, as the tiled path's
             s = torch.einsum("bhqd,bhkd->bhqk", _up(q[..., t:t + 1, :]), _up(k)) * scale
             p = torch.softmax(s.masked_fill(~mask[:, None, None, :], float("-inf")), dim=-1)
@@ -188,14 +197,23 @@ def attend_reference(q: torch.Tensor, k_own: torch.Tensor, v_own: torch.Tensor, 
 
 def attend_tiled(q: torch.Tensor, k_own: torch.Tensor, v_own: torch.Tensor, reveal: Reveal, tile: int = 64,
                  traffic: Traffic | None = None, past: Past | None = None,
-                 key_mask: torch.Tensor | None = None) -> torch.Tensor:
+                 key_mask: torch.Tensor | None = None, docs: torch.Tensor | None = None) -> torch.Tensor:
     """The same outputs as :func:`attend_reference` (same arguments), by divide and conquer (module docstring).
     ``tile`` >= 1. The ``past`` keys reach every query in one batched attention before the recursion."""
     if tile < 1:
         raise ValueError(f"tile={tile} must be >= 1")
+    _check_docs(docs, past)
     n, d = q.shape[-2], q.shape[-1]
     scale = 1 / math.sqrt(d)
-    km = (lambda a, b: None) if key_mask is None else (lambda a, b: key_mask[:, a:b])
+
+    def km(q0: int, q1: int, k0: int, k1: int) -> torch.Tensor | None:
+        """Which keys k0..k1 the queries q0..q1 may see: [B, keys], or [B, queries, keys] with documents."""
+        m = None if key_mask is None else key_mask[:, k0:k1]
+        if docs is None:
+            return m
+        same = docs[:, q0:q1, None] == docs[:, None, k0:k1]
+        return same if m is None else same & m[:, None, :]
+
     keys: list = [None] * n
     values: list = [None] * n
     out: list = [None] * n
@@ -208,7 +226,7 @@ def attend_tiled(q: torch.Tensor, k_own: torch.Tensor, v_own: torch.Tensor, reve
             return
         mid = (lo + hi) // 2
         solve(lo, mid)
-        part = _partial_recomputed(q[..., mid:hi, :], keys[lo:mid], values[lo:mid], scale, km(lo, mid))
+        part = _partial_recomputed(q[..., mid:hi, :], keys[lo:mid], values[lo:mid], scale, km(mid, hi, lo, mid))
         tr.read += (hi - mid) * d + 2 * (mid - lo) * d  # right half's queries, left half's keys and values
         tr.written += (hi - mid) * (d + 2)  # its partial (acc, m, l per query)
         ancestors.append((mid, part))
@@ -233,7 +251,7 @@ def attend_tiled(q: torch.Tensor, k_own: torch.Tensor, v_own: torch.Tensor, reve
             row = tuple(x[..., t - lo:t - lo + 1, :] for x in stats)
             if t > lo:  # the tile's earlier positions, in fast memory
                 row = _merge(row, _partial_recomputed(q[..., t:t + 1, :], keys[lo:t], values[lo:t], scale,
-                                                      km(lo, t)))
+                                                      km(t, t + 1, lo, t)))
             m, l, acc = row
             out[t] = acc / torch.where(l > 0, l, torch.ones_like(l))  # l = 0: no key at all, acc = 0
             keys[t], values[t] = reveal(t, t + 1, out[t])
@@ -245,3 +263,8 @@ def attend_tiled(q: torch.Tensor, k_own: torch.Tensor, v_own: torch.Tensor, reve
         tr.written += n * (d + 2)
     solve(0, n)
     return torch.cat(out, dim=-2)
+
+
+def _check_docs(docs: torch.Tensor | None, past: Past | None) -> None:
+    if docs is not None and past is not None and past[0].shape[-2]:
+        raise ValueError("document masking applies to whole windows, not after a KV cache: pass docs without past")

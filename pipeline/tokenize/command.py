@@ -24,6 +24,9 @@ def register(sub) -> None:
     s.add_argument("dataset", help="dataset folder (data.dataset_dir)")
     s.add_argument("--json", action="store_true")
     s.set_defaults(fn=cmd_data_stats)
+    from pipeline.tokenize.train_bpe import register as register_tokenizer
+
+    register_tokenizer(sub)  # tokenizer train
 
 
 def cmd_tokenize(args) -> int:

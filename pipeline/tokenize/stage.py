@@ -1,4 +1,4 @@
-"""`grt tokenize`: sources -> GPT-2 BPE -> fixed-size token shards (train / val) + document indexes + manifest.json.
+"""`grt tokenize`: sources -> data.tokenizer -> fixed-size token shards (train / val) + document indexes + manifest.
 
 The main process reads records in a fixed order and hands batches to N tokenizer processes; results are taken back
 in submission order, so deduplication, the split and the shard contents are the same for any number of workers.
@@ -37,7 +37,6 @@ from pipeline.runtime.locking import FALLBACK_FILE
 from pipeline.runtime.locking import LOCK_FILE
 from pipeline.runtime.locking import FolderLock
 from pipeline.runtime.locking import FolderLockedError
-from pipeline.tokenize.bpe import tokenizer_identity
 from pipeline.tokenize.dedup import HashSet64
 from pipeline.tokenize.sources import SKIP_REASONS
 from pipeline.tokenize.sources import DamagedInputError
@@ -45,6 +44,9 @@ from pipeline.tokenize.sources import Record
 from pipeline.tokenize.sources import Unit
 from pipeline.tokenize.sources import plan_units
 from pipeline.tokenize.sources import read_unit
+from pipeline.tokenize.tokenizers import FILES
+from pipeline.tokenize.tokenizers import keep_copy
+from pipeline.tokenize.tokenizers import load_tokenizer
 from pipeline.tokenize.worker import BLANK
 from pipeline.tokenize.worker import DOC
 from pipeline.tokenize.worker import BatchResult
@@ -77,15 +79,19 @@ class BadRecordError(ValueError):
 
 def content_config(cfg: DataConfig) -> dict:
     """The part of the data config that decides the dataset's bytes (not where it goes, how many workers make it,
-    whether bad records fail the job, training-time mixing or checks): recorded in the manifest and fingerprinted."""
+    whether bad records fail the job, training-time mixing, checks or document masking): recorded in the manifest
+    and fingerprinted."""
     d = dataclasses.asdict(cfg)
-    for key in ("dataset_dir", "workers", "strict", "mixture", "verify"):
+    for key in ("dataset_dir", "workers", "strict", "mixture", "verify", "document_masking"):
         d.pop(key)
     return d
 
 
 def data_fingerprint(cfg: DataConfig) -> str:
-    return config_hash(content_config(cfg))
+    d = content_config(cfg)
+    if cfg.tokenizer != "gpt2":  # the file's content, not only its path, decides the tokens
+        d["tokenizer_sha256"] = load_tokenizer(cfg.tokenizer).vocab_hash
+    return config_hash(d)
 
 
 def is_validation(content_hash: int, fraction: float) -> bool:
@@ -117,7 +123,10 @@ class _Job:
         self.out = Path(cfg.dataset_dir)
         self.progress_dir = self.out / PROGRESS
         self.fingerprint = data_fingerprint(cfg)
-        self.ident = tokenizer_identity(cfg.tokenizer)
+        self.tok = load_tokenizer(cfg.tokenizer)  # fails fast on a missing or broken file
+        self.ident = self.tok.identity()
+        # the workers read the dataset's own copy (made when the job starts), the file the manifest's hash names
+        self.tok_spec = "gpt2" if self.tok.kind == "gpt2" else str((self.out / FILES[self.tok.kind]).resolve())
         self.dtype = np.dtype(np.uint16 if self.ident["n_vocab"] <= 2**16 else np.uint32)
         self.sources: list[SourceConfig] = list(cfg.sources) + list(cfg.validation_sources)
         self.units: list[list[Unit]] = [plan_units(i, s) for i, s in enumerate(self.sources)]  # fails fast
@@ -307,6 +316,7 @@ class _Job:
         # fork: workers start at once and never re-import the caller's __main__ (spawn would)
         ctx = multiprocessing.get_context("fork" if sys.platform == "linux" else "spawn")
         # the workers let go of the dataset lock inherited by fork, and die with this process
+        keep_copy(self.tok, self.out)
         pool = (ProcessPoolExecutor(self.workers, mp_context=ctx, initializer=init_worker, initargs=(os.getpid(),))
                 if self.workers > 1 else _InProcess())
         try:
@@ -315,7 +325,8 @@ class _Job:
                 for batch in self.batches():
                     recs = [(r.raw, r.fmt) for r in batch]
                     text_field = self.sources[batch[0].pos[0]].text_field  # batches() keeps one source per batch
-                    inflight.append((batch, pool.submit(process_batch, recs, text_field, self.dtype.name)))
+                    inflight.append((batch, pool.submit(process_batch, recs, text_field, self.dtype.name,
+                                                            self.tok_spec)))
                     if len(inflight) >= 2 * self.workers + 2:
                         b, fut = inflight.popleft()
                         self.handle(b, fut.result(), bar)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import os
 import signal
@@ -14,10 +15,10 @@ from dataclasses import field
 import numpy as np
 
 from pipeline.runtime.locking import forked_child_cleanup
-from pipeline.tokenize.bpe import gpt2_encoding
 from pipeline.tokenize.sources import SKIP_REASONS
 from pipeline.tokenize.sources import parse_record
 from pipeline.tokenize.sources import record_fields
+from pipeline.tokenize.tokenizers import load_tokenizer
 
 BLANK = -1  # a record with no document (blank JSON line): neither counted nor kept
 DOC = 0  # kinds 1.. are 1 + the index of the skip reason in SKIP_REASONS
@@ -61,9 +62,14 @@ def content_hash(text: str) -> int:
     return int.from_bytes(hashlib.blake2b(norm.encode("utf-8", "surrogatepass"), digest_size=8).digest(), "little")
 
 
-def process_batch(records: list[tuple], text_field: str, dtype: str) -> BatchResult:
-    enc = gpt2_encoding()
-    eot = enc.eot_token
+@functools.lru_cache(maxsize=None)
+def _tokenizer(spec: str):
+    return load_tokenizer(spec)  # once per process: a file tokenizer is read and hashed once
+
+
+def process_batch(records: list[tuple], text_field: str, dtype: str, tokenizer: str = "gpt2") -> BatchResult:
+    tok = _tokenizer(tokenizer)
+    eot = tok.eos_id
     kinds, texts = [], []
     fields: list[tuple[str, ...]] = []
     for raw, fmt in records:
@@ -80,7 +86,7 @@ def process_batch(records: list[tuple], text_field: str, dtype: str) -> BatchRes
         texts.append(text)
     flat: list[int] = []
     ntokens = []
-    for ids in map(enc.encode_ordinary, texts):
+    for ids in map(tok.encode, texts):
         flat.extend(ids)
         flat.append(eot)  # end-of-text after every document
         ntokens.append(len(ids) + 1)

@@ -251,6 +251,12 @@ def verify_dataset(dataset_dir: str | Path, checksums: bool = True) -> list[str]
     itemsize = np.dtype(m["dtype"]).itemsize
     n_vocab = m["tokenizer"]["n_vocab"]
     problems = []
+    tok_file = m["tokenizer"].get("file")  # the copy of a user tokenizer (pipeline/tokenize/tokenizers.py)
+    if tok_file and not (d / tok_file).is_file():
+        problems.append(f"tokenizer: {tok_file} is missing")
+    elif tok_file and checksums and hashlib.sha256((d / tok_file).read_bytes()).hexdigest() != m["tokenizer"][
+            "vocab_hash"]:
+        problems.append(f"tokenizer: {tok_file} sha256 differs from the manifest's vocab_hash")
     for split, info in m["splits"].items():
         total_tokens = total_docs = 0
         for sh in info["shards"]:

@@ -25,6 +25,8 @@ def cmd_info(args) -> int:
 
     cfg = recipe_of(args)
     info = model_info(cfg.model)
+    if cfg.data.document_masking:  # said only when on: the paper's recipes print what they always did
+        info["document_masking"] = True
     if args.json:
         print(json.dumps(info))
         return 0
@@ -32,6 +34,10 @@ def cmd_info(args) -> int:
     print(f"  unique parameters            {info['params']:>15,}  ({info['params'] / 1e6:.2f}M)")
     print(f"  without position embeddings  {info['params_without_position']:>15,}  "
           f"({info['params_without_position'] / 1e6:.2f}M)")
+    if "block" in info:  # a llama block or a padded vocabulary (absent from the paper's recipes)
+        mlp = f", SwiGLU hidden {info['mlp_hidden']}" if "mlp_hidden" in info else ""
+        print(f"  block                        {info['block']}: {info['n_head']} query / {info['n_kv_head']} "
+              f"key-value heads{mlp}; vocabulary {info['vocab_size']:,} in {info['embedding_rows']:,} rows")
     print(f"  block executions / forward   {info['block_executions']:>15,}")
     print(f"  forward FLOPs/token, Eq. 1   {info['flops_per_token']:>15,}  ({info['flops_per_token'] / 1e9:.4f} G)")
     print(f"  ... with the LM head         {info['flops_per_token_with_head']:>15,}  "
@@ -39,6 +45,9 @@ def cmd_info(args) -> int:
     if info["executed_flops_per_token"] != info["flops_per_token"]:
         print(f"  forward FLOPs/token executed {info['executed_flops_per_token']:>15,}  "
               f"({info['executed_flops_per_token'] / 1e9:.4f} G)")
+    if cfg.data.document_masking:
+        print("  attention                    within each document (data.document_masking); the FLOPs count the "
+              "full causal window, as unmasked")
     for note in info["flops_notes"]:
         print(f"  note: {note}")
     return 0

@@ -4,21 +4,61 @@ A sample is a window of ``seq_len + 1`` tokens starting at a multiple of ``seq_l
 its first ``seq_len`` tokens, targets the last ``seq_len``). Each epoch visits every window once in the order of a
 permutation seeded by (seed, epoch). The loader's state is a handful of counters over all ranks together, so a
 resume continues exactly where the run stopped.
+
+Document masking (``data.document_masking``): a batch also carries ``docs`` [B, T], the index of the document each
+input token belongs to inside its window (0 for the document under way at the window's start, +1 at every document
+that starts in it), for the model's block-causal mask and per-document positions. It is read from the shard's
+``.idx`` file (the writer's record of where each document starts) wherever the dataset has one, and from the
+tokenizer's end-of-text id (manifest ``eot_id``: a new document starts after each) only for a shard without one.
+The index is preferred because it records documents, not a convention about special tokens: it stays right for a
+tokenizer that opens documents with BOS, or one that can produce the EOS id inside a document, and reading it costs
+4 bytes per document. The two agree on this pipeline's own datasets (the tokenizer appends EOS to every document and
+never emits it inside one; tests/test_document_masking_pipeline.py checks that). The end-of-text token belongs to the
+document it ends: predicting the next document's first token from it is the one target that crosses a boundary, as
+without masking. ``docs`` is a pure function of the window, so the loader's state and resume are unchanged.
 """
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Iterator
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
+from pipeline.model.layout import documents_from_eos
+from pipeline.model.layout import documents_from_starts
 from pipeline.tokenize.writer import bad_ids_text
 from pipeline.tokenize.writer import read_manifest
 from pipeline.tokenize.writer import scan_shard
 from pipeline.tokenize.writer import shard_size_problem
 
 LOADER_STATE_VERSION = 2
+
+
+class Batch(NamedTuple):
+    """One micro-batch: ``inputs`` and ``targets`` [B, T]; ``docs`` [B, T] the document index of each input token
+    under document masking, else None."""
+
+    inputs: torch.Tensor
+    targets: torch.Tensor
+    docs: torch.Tensor | None = None
+
+    def to(self, device, non_blocking: bool = False) -> "Batch":
+        return Batch(*(None if t is None else t.to(device, non_blocking=non_blocking) for t in self))
+
+    def model_kwargs(self) -> dict:
+        """``docs=`` for the model's forward, or nothing without document masking (the paper's call, unchanged)."""
+        return {} if self.docs is None else {"docs": self.docs}
+
+
+def batch_parts(batch, device=None) -> tuple[torch.Tensor, torch.Tensor | None, dict]:
+    """(inputs, targets, the model's extra keyword arguments: ``docs=`` under document masking, else none) of a
+    :class:`Batch` or of a plain (inputs, targets) pair, moved to ``device`` when given."""
+    x, y, docs = batch[0], batch[1], batch[2] if len(batch) > 2 else None
+    if device is not None:
+        x, y, docs = (None if t is None else t.to(device) for t in (x, y, docs))
+    return x, y, {} if docs is None else {"docs": docs}
 
 
 class TokenShards:
@@ -42,6 +82,8 @@ class TokenShards:
                 f"re-tokenize (grt tokenize RECIPE --force); `grt data verify {self.dir}` lists every problem")
         self.arrays = [self._map(self.dir / s["file"]) for s in self.shards]
         self.tokens = sum(a.size for a in self.arrays)
+        self.eot_id = self.manifest["tokenizer"]["eot_id"]
+        self._starts: dict[int, np.ndarray | None] = {}  # shard -> its document starts (None: no .idx), read once
 
     def _map(self, path: Path) -> np.ndarray:
         n = path.stat().st_size // self.dtype.itemsize  # a trailing partial token is left out
@@ -60,6 +102,21 @@ class TokenShards:
     def window(self, shard: int, start: int, seq_len: int) -> np.ndarray:
         return np.asarray(self.arrays[shard][start:start + seq_len + 1], dtype=np.int64)
 
+    def document_starts(self, shard: int) -> np.ndarray | None:
+        """The offsets of the documents that start in ``shard``, from its ``.idx`` file; None when it has none."""
+        if shard not in self._starts:
+            path = self.dir / self.shards[shard].get("index_file", "")
+            self._starts[shard] = (np.fromfile(path, dtype="<u4").astype(np.int64)
+                                   if self.shards[shard].get("index_file") and path.is_file() else None)
+        return self._starts[shard]
+
+    def window_docs(self, shard: int, start: int, seq_len: int, window: np.ndarray) -> torch.Tensor:
+        """[seq_len] the document index of the inputs of the window at ``start`` (see the module doc)."""
+        starts = self.document_starts(shard)
+        if starts is not None:
+            return documents_from_starts(start, seq_len, starts)
+        return documents_from_eos(torch.from_numpy(window[:seq_len]), self.eot_id)
+
     def id_limit(self, vocab_size: int | None) -> tuple[int, str]:
         """The bound every token id must stay under, and its words: the tokenizer's vocabulary, or the model's
         when that is smaller (a dataset that does not fit the model is refused before; this is the last guard)."""
@@ -77,9 +134,10 @@ class TokenShards:
 
 
 def _checked_batch(windows: list[np.ndarray], where: list[tuple[TokenShards, int, int]],
-                   limits: list[tuple[int, str]] | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Stack windows into (inputs, targets); with ``limits`` (one per window), first make sure every id is below
-    its window's limit: an id out of range would reach the embedding as `index out of range in self`."""
+                   limits: list[tuple[int, str]] | None, docs_len: int | None = None) -> Batch:
+    """Stack windows into a :class:`Batch`; with ``limits`` (one per window), first make sure every id is below
+    its window's limit: an id out of range would reach the embedding as `index out of range in self`. With
+    ``docs_len`` (seq_len, under document masking) the batch carries each window's ``docs``."""
     data = np.stack(windows)
     if limits is not None:
         over = np.flatnonzero(data.max(axis=1) >= np.array([lim for lim, _ in limits]))
@@ -88,7 +146,9 @@ def _checked_batch(windows: list[np.ndarray], where: list[tuple[TokenShards, int
             shards, shard, start = where[r]
             raise shards.bad_id_error(data[r], shard, start, *limits[r])
     t = torch.from_numpy(data)
-    return t[:, :-1].contiguous(), t[:, 1:].contiguous()
+    docs = None if docs_len is None else torch.stack([shards.window_docs(shard, start, docs_len, w)
+                                                      for (shards, shard, start), w in zip(where, windows)])
+    return Batch(t[:, :-1].contiguous(), t[:, 1:].contiguous(), docs)
 
 
 # ------------------------------------------------------------------------------ checks before step 1
@@ -174,7 +234,7 @@ class SequenceLoader:
 
     def __init__(self, shards: TokenShards | list[TokenShards], seq_len: int, micro_batch_size: int, seed: int,
                  rank: int = 0, world_size: int = 1, weights: list[float] | None = None,
-                 vocab_size: int | None = None, pin_memory: bool = False):
+                 vocab_size: int | None = None, pin_memory: bool = False, document_masking: bool = False):
         self.datasets = shards if isinstance(shards, list) else [shards]
         self.weights = [float(w) for w in (weights or [1.0] * len(self.datasets))]
         if len(self.weights) != len(self.datasets):
@@ -191,6 +251,7 @@ class SequenceLoader:
         # page-locked batches (for a CUDA device): only from pinned memory is a non_blocking copy asynchronous; from
         # pageable memory the driver may first wait for the work queued on the stream, so the host cannot run ahead
         self.pin_memory = pin_memory
+        self.document_masking = document_masking  # batches carry docs (a function of the window: no state)
         self.counts = [0] * len(self.datasets)  # samples consumed over all ranks, per dataset
         self.current = [0.0] * len(self.datasets)  # smooth weighted round-robin state
         self._perm_key, self._perm = None, None
@@ -221,12 +282,13 @@ class SequenceLoader:
         mine = picks[self.rank * self.batch:(self.rank + 1) * self.batch]
         return [(k, self._row(k, j)) for k, j in mine]
 
-    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def next_batch(self) -> Batch:
         picks = self.next_indices()
         where = [(self.datasets[k], int(self.index[k][r, 0]), int(self.index[k][r, 1])) for k, r in picks]
-        x, y = _checked_batch([d.window(shard, start, self.seq_len) for d, shard, start in where], where,
-                              None if self.limits is None else [self.limits[k] for k, _ in picks])
-        return (x.pin_memory(), y.pin_memory()) if self.pin_memory else (x, y)
+        batch = _checked_batch([d.window(shard, start, self.seq_len) for d, shard, start in where], where,
+                               None if self.limits is None else [self.limits[k] for k, _ in picks],
+                               self.seq_len if self.document_masking else None)
+        return Batch(*(None if t is None else t.pin_memory() for t in batch)) if self.pin_memory else batch
 
     @property
     def epoch(self) -> float:
@@ -253,9 +315,10 @@ class SequenceLoader:
 
 def validation_batches(shards: TokenShards, seq_len: int, batch_size: int, max_tokens: int | None = None,
                        max_batches: int | None = None,
-                       vocab_size: int | None = None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+                       vocab_size: int | None = None, document_masking: bool = False) -> Iterator[Batch]:
     """The validation windows in file order (the same for every run), up to a token or batch budget; with
-    ``vocab_size``, every id is checked to be in range (as in :class:`SequenceLoader`)."""
+    ``vocab_size``, every id is checked to be in range (as in :class:`SequenceLoader`); with ``document_masking``
+    each batch carries its ``docs``."""
     index = shards.window_index(seq_len)
     n = len(index)
     if max_tokens is not None:
@@ -272,4 +335,4 @@ def validation_batches(shards: TokenShards, seq_len: int, batch_size: int, max_t
             return
         where = [(shards, int(index[r, 0]), int(index[r, 1])) for r in range(start, min(start + batch_size, n))]
         yield _checked_batch([shards.window(shard, st, seq_len) for _, shard, st in where], where,
-                             None if limit is None else [limit] * len(where))
+                             None if limit is None else [limit] * len(where), seq_len if document_masking else None)

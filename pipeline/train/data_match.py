@@ -1,18 +1,29 @@
 """Whether a tokenized dataset can feed a recipe's model: shared by training, evaluation and the preflight."""
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING
 
-from pipeline.tokenize.bpe import tokenizer_identity
+from pipeline.tokenize.tokenizers import saved_tokenizer
+from pipeline.tokenize.tokenizers import tokenizer_identity
 
 if TYPE_CHECKING:
     from pipeline.config import RunConfig
 
 
-def check_dataset_matches_model(manifest: dict, cfg: RunConfig, where: str = "the dataset") -> None:
-    """Refuse a dataset whose tokenizer differs from the recipe's or cannot feed this model, naming both values."""
+def check_dataset_matches_model(manifest: dict, cfg: RunConfig, where: str = "the dataset",
+                                model_tokenizer: dict | None = None) -> None:
+    """Refuse a dataset whose tokenizer differs from the recipe's (``model_tokenizer``: the identity of the one a
+    checkpoint was trained with) or cannot feed this model, naming both values."""
     tok = manifest["tokenizer"]
-    want = tokenizer_identity(cfg.data.tokenizer)
+    spec = cfg.data.tokenizer
+    # a file named by the recipe is read there; once moved, the copy the dataset keeps stands in for it
+    if model_tokenizer is not None:
+        want = model_tokenizer
+    elif spec == "gpt2" or Path(spec).expanduser().is_file():
+        want = tokenizer_identity(spec)
+    else:
+        want = saved_tokenizer(spec, cfg.data.training_datasets()[0]).identity()
     problems = [f"{key}: dataset {tok.get(key)!r} != recipe's {cfg.data.tokenizer} tokenizer {want[key]!r}"
                 for key in ("name", "vocab_hash", "n_vocab", "eot_id") if tok.get(key) != want[key]]
     if tok["n_vocab"] > cfg.model.vocab_size:

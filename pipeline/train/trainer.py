@@ -32,6 +32,7 @@ from pipeline.runtime.exit_status import DiskFull
 from pipeline.runtime.exit_status import TrainingStopped
 from pipeline.runtime.locking import FolderLock
 from pipeline.runtime.seeds import derive_seed
+from pipeline.tokenize.tokenizers import carry_tokenizer
 from pipeline.tracking import open_training_tracker
 from pipeline.train import faults
 from pipeline.train.backend import build_backend
@@ -118,7 +119,8 @@ class Trainer:
         self.accum = tc.grad_accum_steps // self.backend.world_size
         self.loader = SequenceLoader(self.train_data, self.seq_len, tc.micro_batch_size, cfg.seed,
                                      self.backend.rank, self.backend.world_size, weights,
-                                     vocab_size=cfg.model.vocab_size, pin_memory=self.device.type == "cuda")
+                                     vocab_size=cfg.model.vocab_size, pin_memory=self.device.type == "cuda",
+                                     document_masking=cfg.data.document_masking)
         self.tokens_per_step = tc.micro_batch_size * tc.grad_accum_steps * self.seq_len
 
         self.model_cls = model_class(cfg.model.type)
@@ -261,6 +263,7 @@ class Trainer:
                       f"longer; `grt eval {self.run_dir}` evaluates it", flush=True)
         elif self.backend.is_main:
             (self.run_dir / "recipe.yaml").write_text(self.cfg.to_yaml())
+            carry_tokenizer(self.cfg.data.tokenizer, self.dataset_dir, self.run_dir)  # eval/generate/export read it
             clear_stopped(self.run_dir)
         for cb in self.callbacks:  # inside fit's try: a callback that fails still closes the tracker and the group
             cb.on_train_start(self)
@@ -308,12 +311,14 @@ class Trainer:
         # the depth said explicitly: RecurTrace without n_steps would halt per token at its threshold instead
         depth = self.model_cls.recurrence_depth(self.cfg.model)
         at_depth = {"n_steps": depth} if depth is not None else {}
-        for x, y in validation_batches(self.val_data, self.seq_len, self.cfg.train.micro_batch_size,
-                                       max_batches=self.cfg.train.eval_batches, vocab_size=self.cfg.model.vocab_size):
+        for batch in validation_batches(self.val_data, self.seq_len, self.cfg.train.micro_batch_size,
+                                        max_batches=self.cfg.train.eval_batches, vocab_size=self.cfg.model.vocab_size,
+                                        document_masking=self.cfg.data.document_masking):
+            b = batch.to(self.device)
             with self.autocast():
-                _, loss = self.model(x.to(self.device), y.to(self.device), **at_depth)
-            total += loss.item() * y.numel()
-            count += y.numel()
+                _, loss = self.model(b.inputs, b.targets, **at_depth, **b.model_kwargs())
+            total += loss.item() * b.targets.numel()
+            count += b.targets.numel()
         self.model.train()
         return {"step": self.step, "val_loss": self.backend.reduce_mean(total / count), "val_tokens": count,
                 "val_depth": depth}
@@ -352,13 +357,12 @@ class Trainer:
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         depths = self.step_depths()
         for micro, depth in enumerate(depths):
-            x, y = self.loader.next_batch()
-            x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+            b = self.loader.next_batch().to(self.device, non_blocking=True)
             torch.manual_seed(step_seed(self.cfg.seed, self.step, micro * be.world_size + be.rank))
             last = micro == self.accum - 1
             with be.no_sync(self.model, last):
                 with self.autocast():
-                    _, loss = self.model(x, y, n_steps=depth)
+                    _, loss = self.model(b.inputs, b.targets, n_steps=depth, **b.model_kwargs())
                 for cb in self.callbacks:
                     loss = cb.on_loss(self, loss)
                 be.backward(self.model, loss, self.accum, last)

@@ -11,6 +11,9 @@ import torch
 
 from ops import gated_update
 from pipeline.eval.exit_losses import exit_stats
+from pipeline.model.layers import predicted_weight
+from pipeline.model.layers import token_layout
+from pipeline.train.data import batch_parts
 
 # Token-id bands of the target token (Appendix E.10): name -> (first id, last id, description)
 BANDS = {"bytes": (0, 255, "byte/punctuation, ids 0-255"), "common": (256, 2000, "common, ids 256-2,000"),
@@ -21,26 +24,28 @@ GATE_FORCED = {"gate0": (0.0, "gate = 0: always write"), "gate1": (1.0, "gate = 
 
 
 def trace_steps(model, idx: torch.Tensor, n_steps: int, anchor: str = "prelude", gate_value: float | None = None,
-                noise: bool = False, h_pre: torch.Tensor | None = None):
+                noise: bool = False, h_pre: torch.Tensor | None = None, layout=None):
     """Yield (r, h^(r-1), o^(r), g^(r), h^(r)) for r = 1..n_steps, in one pass. ``anchor`` replaces h_pre where
     each step reads it (projection and gate): 'prelude' (the model as trained), 'zeros', 'embedding' (token +
     position embedding) or 'previous' (h^(r-1), a drifting anchor); ``gate_value`` forces g everywhere. ``noise``:
     the training noise (eps_x as the model draws it, eps_g ~ N(0, sigma_g^2) on the gate logits / tau) from the
     global torch RNG, which the caller seeds; off by default (Appendix E). ``h_pre``: the prelude output when the
-    caller has it already."""
+    caller has it already. ``layout``: the pass's ``token_layout(model.cfg, idx, docs=docs)`` (documents under
+    document masking); built here without documents when not given."""
     if anchor not in ANCHORS:
         raise ValueError(f"anchor {anchor!r}: choose one of {list(ANCHORS)}")
     step, tau = model.recurrent_core(), model.cfg.tau
-    h_pre = model.encode(idx) if h_pre is None else h_pre
+    layout = token_layout(model.cfg, idx) if layout is None else layout
+    h_pre = model.encode(idx, layout=layout) if h_pre is None else h_pre
     h = model.initial_state(h_pre, noise=noise)
     fixed = {"prelude": h_pre, "zeros": torch.zeros_like(h_pre)}.get(anchor)
     if anchor == "embedding":
-        fixed = model.embed(idx)
+        fixed = model.embed(idx, 0, layout)
     terms = step.anchor_terms(fixed) if fixed is not None else None  # the step's anchor halves, once
     for r in range(1, n_steps + 1):
         if anchor == "previous":
             terms = step.anchor_terms(h)
-        o = step.proposal(h, None, noise, None, terms)
+        o = step.proposal(h, None, noise, None, terms, layout=layout)
         if gate_value is not None:
             g = torch.full_like(h, gate_value)
             h_new = g * h + (1 - g) * o
@@ -151,14 +156,15 @@ def anchor_ablation(model, batches, n_steps: int, device) -> dict:
     if model.recurrent_core().gate is not None:
         variants.update({name: ("prelude", value) for name, (value, _) in GATE_FORCED.items()})
     sums, tokens = {k: 0.0 for k in variants}, 0
-    weight = model.lm_head.weight
-    for x, y in batches:
-        x, y = x.to(device), y.to(device)
+    weight = predicted_weight(model.lm_head)
+    for batch in batches:
+        x, y, docs = batch_parts(batch, device)
+        layout = token_layout(model.cfg, x, **docs)
         for label, (anchor, gate_value) in variants.items():
             h = None
-            for _, _, _, _, h in trace_steps(model, x, n_steps, anchor, gate_value):
+            for _, _, _, _, h in trace_steps(model, x, n_steps, anchor, gate_value, layout=layout):
                 pass
-            losses, _, _ = exit_stats({n_steps: model.readout(h)}, weight, y, ref=n_steps)
+            losses, _, _ = exit_stats({n_steps: model.readout(h, layout=layout)}, weight, y, ref=n_steps)
             sums[label] += losses.double().sum().item()
         tokens += y.numel()
     labels = {**ANCHORS, **{k: what for k, (_, what) in GATE_FORCED.items()}}

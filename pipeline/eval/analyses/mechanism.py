@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from pipeline.eval.analyses.representation import rank_of_spectrum
+from pipeline.model.layers import predicted_weight
 
 # Paper E.9 thresholds (nats / attention mass), measured there at S = 1024. A row over t+1 keys has at most
 # log(t+1) nats, so at short contexts (mean log(t+1) < 4 below ~150 tokens) no head can be "broad".
@@ -309,7 +310,7 @@ def next_token_traces(model, prompts: list[str], n_steps: int, encode, decode_to
             exits, probs = [], []
             for r, states in model.exit_states(x, range(0, n_steps + 1)):
                 exits.append(r)
-                probs.append(model.lm_head(states[0, -1]).float().softmax(-1).cpu())
+                probs.append((states[0, -1] @ predicted_weight(model.lm_head).t()).float().softmax(-1).cpu())
             p = torch.stack(probs)  # [exits, V]
             union = torch.unique(p.topk(min(top_k, p.shape[1]), dim=-1).indices)
             union = union[p[-1, union].argsort(descending=True)]

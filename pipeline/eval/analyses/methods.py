@@ -23,6 +23,7 @@ import torch
 
 from pipeline.eval.exit_losses import exit_stats
 from pipeline.model import model_class
+from pipeline.train.data import batch_parts
 
 Q_LEVELS = (0.5, 0.7, 0.9)
 
@@ -49,13 +50,13 @@ def mor_report(model, batches, device) -> dict:
     for mode in ("topk", "threshold"):
         sums, tokens, loss_sum = torch.zeros(depth, dtype=torch.float64), 0, 0.0
         with routing(model, mode):
-            for x, y in batches():
-                x, y = x.to(device), y.to(device)
-                stats = model.routing_statistics(x)
+            for batch in batches():
+                x, y, docs = batch_parts(batch, device)
+                stats = model.routing_statistics(x, **docs)
                 sums += torch.tensor(stats["fraction"], dtype=torch.float64) * y.numel()
                 tokens += y.numel()
                 if mode == "threshold":
-                    _, loss = model(x, y)
+                    _, loss = model(x, y, **docs)
                     loss_sum += loss.item() * y.numel()
         out[mode] = {"recursion": list(range(1, depth + 1)), "fraction": (sums / tokens).tolist()}
         if mode == "threshold":
@@ -72,12 +73,12 @@ def ouro_report(model, cfg, batches, device) -> dict:
     q_loss = {q: 0.0 for q in Q_LEVELS}
     q_depth = {q: 0.0 for q in Q_LEVELS}
     tokens = 0
-    for x, y in batches():
-        x, y = x.to(device), y.to(device)
-        states = dict(model.exit_states(x, loops))
+    for batch in batches():
+        x, y, docs = batch_parts(batch, device)
+        states = dict(model.exit_states(x, loops, **docs))
         losses, _, _ = exit_stats(states, model.lm_head.weight, y, ref=T)  # [tokens, T]: CE at each loop
         losses = losses.cpu()  # beside the exit distribution, read on the host
-        p = model.exit_distribution(x, T).reshape(-1, T).double().cpu()
+        p = model.exit_distribution(x, T, **docs).reshape(-1, T).double().cpu()
         p_sum += p.sum(dim=0)
         cdf = p.cumsum(dim=-1)
         cdf[:, -1] = 1.0  # the last loop takes the remaining mass (no rounding can leave a token without an exit)
@@ -116,9 +117,9 @@ def recurtrace_report(model, cfg, batches, device) -> dict:
         for th in sorted({*HALT_THRESHOLDS, cfg.halt_threshold}):
             model.cfg = dataclasses.replace(original, halt_threshold=th)
             loss_sum, loops_sum, flops_sum, tokens = 0.0, 0.0, 0.0, 0
-            for x, y in batches():
-                x, y = x.to(device), y.to(device)
-                _, loss = model(x, y)
+            for batch in batches():
+                x, y, docs = batch_parts(batch, device)
+                _, loss = model(x, y, **docs)
                 scored = y >= 0
                 n = int(scored.sum())
                 loops = model.last_loops[scored].long().cpu()  # loops each scored token ran

@@ -19,6 +19,8 @@ import math
 import torch
 import torch.nn.functional as F
 
+from pipeline.model.layers import token_layout
+
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
     """[..., d] -> [tokens, d]."""
@@ -217,16 +219,18 @@ def cross_cka(states: list[torch.Tensor], layer_states: list[torch.Tensor], step
 
 
 @torch.no_grad()
-def dense_layer_states(gpt_model, idx: torch.Tensor) -> list[torch.Tensor]:
+def dense_layer_states(gpt_model, idx: torch.Tensor, docs: torch.Tensor | None = None) -> list[torch.Tensor]:
     """A dense GPT's residual states in one pass: [after the embedding, after block 1, ..., after block L], each
-    [B, T, d] (before the final LN, like the recurrent states h^(r) they are compared with)."""
+    [B, T, d] (before the final LN, like the recurrent states h^(r) they are compared with); ``docs`` as in its
+    forward."""
     if gpt_model.training:
         raise ValueError("dense_layer_states on a model in training mode: dropout would perturb the states; call "
                          "model.eval() first")
-    h = gpt_model.embed(idx)
+    layout = token_layout(gpt_model.cfg, idx, docs=docs)
+    h = gpt_model.embed(idx, 0, layout)
     out = [h]
     for block in gpt_model.blocks:
-        h = block(h)
+        h = block(h, layout=layout)
         out.append(h)
     return out
 

@@ -32,6 +32,8 @@ from pipeline.eval.analyses.representation import dense_layer_states
 from pipeline.eval.analyses.representation import effective_rank_by_step
 from pipeline.eval.analyses.representation import gate_difficulty_by_step
 from pipeline.eval.analyses.representation import relative_improvement
+from pipeline.model.layers import token_layout
+from pipeline.train.data import batch_parts
 
 
 def resolve(names: list[str], model_type: str, has_gate: bool) -> tuple[list[str], dict[str, str]]:
@@ -75,13 +77,14 @@ def traced_pass(model, batches, n_steps: int, device, chosen: list[str], noise: 
     attribution = GateAttribution(model.recurrent_core().gate) if "gate_attribution" in want else None
     attention = AttentionStatistics(model, n_steps, classify_through=trained) if "attention" in want else None
     with attention or contextlib.nullcontext():
-        for x, _ in batches:
-            x = x.to(device)
-            h_pre = model.encode(x)
+        for batch in batches:
+            x, _, docs = batch_parts(batch, device)
+            layout = token_layout(model.cfg, x, **docs)  # one per batch, as in the model's own forward
+            h_pre = model.encode(x, layout=layout)
             if base is not None and not base.full():
-                for layer, states in enumerate(dense_layer_states(baseline, x)):
+                for layer, states in enumerate(dense_layer_states(baseline, x, **docs)):
                     base.add(layer, states)
-            for r, h, o, g, h_new in trace_steps(model, x, n_steps, noise=noise, h_pre=h_pre):
+            for r, h, o, g, h_new in trace_steps(model, x, n_steps, noise=noise, h_pre=h_pre, layout=layout):
                 if stats is not None:
                     stats.update(r, h, o, g, h_new)
                 if similar is not None:
@@ -122,6 +125,10 @@ def run_analyses(model, cfg, curve: dict, batches, n_max: int, ref: int, device,
     ev = cfg.eval
     has_gate = getattr(model.recurrent_core(), "gate", None) is not None  # GRT's (its ablations may drop it)
     chosen, skipped = resolve(list(ev.analyses), cfg.model.type, has_gate)
+    if cfg.data.document_masking and "attention" in chosen:  # its probabilities are recomputed with a causal mask
+        chosen.remove("attention")
+        skipped["attention"] = ("recomputes each head's attention over the whole window; with data.document_masking "
+                                "the model attends within documents (not supported yet)")
     exits = curve["exit"]
     trained = type(model).recurrence_depth(cfg.model) or ref
     out: dict = {}
@@ -151,20 +158,19 @@ def run_analyses(model, cfg, curve: dict, batches, n_max: int, ref: int, device,
         out["anchor_ablation"] = anchor_ablation(model, batches(), ref, device)
     prompted = [a for a in ("gate_heatmaps", "trace") if a in chosen]
     if prompted:
-        from pipeline.tokenize.bpe import gpt2_encoding
+        from pipeline.tokenize.tokenizers import dataset_tokenizer
 
-        enc = gpt2_encoding()
+        enc = dataset_tokenizer(cfg)  # the tokenizer the model was trained with (the dataset check passed)
         if cfg.model.vocab_size < enc.n_vocab:  # the prompts' ids would index past the embedding
-            skipped.update({a: f"its prompts are GPT-2 BPE ({enc.n_vocab:,} ids) and this model has "
+            skipped.update({a: f"its prompts are {enc.kind} tokens ({enc.n_vocab:,} ids) and this model has "
                                f"model.vocab_size={cfg.model.vocab_size:,}" for a in prompted})
             prompted = []
     if prompted:
         decode = lambda t: enc.decode([t])  # noqa: E731
         if "gate_heatmaps" in prompted and ev.heatmap_prompts:
-            out["gate_heatmaps"] = gate_heatmaps(model, list(ev.heatmap_prompts), ref, device, enc.encode_ordinary,
-                                                 decode)
+            out["gate_heatmaps"] = gate_heatmaps(model, list(ev.heatmap_prompts), ref, device, enc.encode, decode)
         if "trace" in prompted and ev.trace_prompts:
-            out["trace"] = next_token_traces(model, list(ev.trace_prompts), ref, enc.encode_ordinary, decode)
+            out["trace"] = next_token_traces(model, list(ev.trace_prompts), ref, enc.encode, decode)
     if skipped:
         out["skipped"] = skipped
     return out

@@ -50,7 +50,7 @@ def run_tasks(model, cfg, tasks: list[str], depths: list[int], batch_size: int, 
 
     from pipeline.eval.lm_eval.harness import GRTLM
     from pipeline.eval.lm_eval.harness import DepthScorer
-    from pipeline.tokenize.bpe import gpt2_encoding
+    from pipeline.tokenize.tokenizers import dataset_tokenizer
 
     if quiet:
         logging.getLogger("lm_eval").setLevel(logging.WARNING)
@@ -62,10 +62,11 @@ def run_tasks(model, cfg, tasks: list[str], depths: list[int], batch_size: int, 
     manager = TaskManager(include_path=str(TASKS_DIR), include_defaults=False,
                           metadata={"data_dir": data_dir} if data_dir else None)
     # task names are checked against LOCAL_TASKS when the recipe is validated (EvalConfig)
-    scorer = DepthScorer(model, depths, batch_size, cfg.model.block_size, gpt2_encoding().eot_token)
+    tokenizer = dataset_tokenizer(cfg)  # the one the model was trained with (evaluate checked its dataset)
+    scorer = DepthScorer(model, depths, batch_size, cfg.model.block_size, tokenizer.eos_id)
     out: dict = {"tasks": list(tasks), "depths": {}, "limit": limit}
     for depth in depths:
-        lm = GRTLM(model=model, cfg=cfg, n_steps=depth, batch_size=batch_size, scorer=scorer)
+        lm = GRTLM(model=model, cfg=cfg, n_steps=depth, batch_size=batch_size, scorer=scorer, tokenizer=tokenizer)
         res = lm_eval.simple_evaluate(model=lm, tasks=list(tasks), task_manager=manager, limit=limit,
                                       log_samples=False, bootstrap_iters=1000, verbosity="WARNING")
         out["depths"][depth] = task_metrics(res)

@@ -31,7 +31,8 @@ from pipeline.eval.lm_eval.scoring import loglikelihoods
 from pipeline.infer.text import TokenText
 from pipeline.model import model_class
 from pipeline.model.kv_cache import KV_STRATEGIES
-from pipeline.tokenize.bpe import gpt2_encoding
+from pipeline.tokenize.tokenizers import dataset_tokenizer
+from pipeline.tokenize.tokenizers import trained_tokenizer
 
 
 class DepthScorer:
@@ -82,7 +83,8 @@ class GRTLM(TemplateLM):
 
     def __init__(self, checkpoint: str | None = None, n_steps: int | None = None, batch_size: int | str = 32,
                  max_batch_size: int | None = None, device: str | None = None, max_gen_toks: int = 256,
-                 kv: str = "full", scorer: DepthScorer | None = None, model=None, cfg=None, **unknown):
+                 kv: str = "full", scorer: DepthScorer | None = None, model=None, cfg=None, tokenizer=None,
+                 **unknown):
         super().__init__()
         if unknown:
             raise ValueError(f"unknown model_args for --model grt: {sorted(unknown)}; the arguments are checkpoint, "
@@ -98,7 +100,8 @@ class GRTLM(TemplateLM):
                 raise ValueError("--model grt needs --model_args checkpoint=PATH (a run folder or a state.pt)")
             from pipeline.train.trained import load_trained
 
-            model, cfg, _, _ = load_trained(checkpoint, device=_device_arg(device))
+            model, cfg, _, ckpt = load_trained(checkpoint, device=_device_arg(device))
+            tokenizer = trained_tokenizer(cfg, ckpt)
         self.model, self.cfg = model, cfg
         self.depth = int(n_steps) if n_steps is not None else model_class(cfg.model.type).full_depth(cfg.model)
         deepest = cfg.model.max_depth()
@@ -110,7 +113,7 @@ class GRTLM(TemplateLM):
         self.batch_size = 32 if str(batch_size).startswith("auto") else int(batch_size)
         self.max_length = cfg.model.block_size
         self.max_gen_toks = int(max_gen_toks)
-        self.tokenizer = gpt2_encoding()  # data.tokenizer is validated to be gpt2
+        self.tokenizer = tokenizer or dataset_tokenizer(cfg)  # the one the model was trained with
         self.kv = kv
         if kv == "full":
             self.scorer = scorer or DepthScorer(model, [self.depth], self.batch_size, self.max_length,
@@ -121,17 +124,18 @@ class GRTLM(TemplateLM):
     # ---------------------------------------------------------------------------------------------- tokens
     @property
     def eot_token_id(self) -> int:
-        return self.tokenizer.eot_token
+        return self.tokenizer.eos_id
 
     def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs) -> list[int]:
-        return self.tokenizer.encode_ordinary(string)
+        return self.tokenizer.encode(string)
 
     def tok_decode(self, tokens: list[int]) -> str:
         return self.tokenizer.decode(tokens)
 
     @property
     def tokenizer_name(self) -> str:
-        return self.tokenizer.name
+        tok = self.tokenizer
+        return tok.kind if tok.kind == "gpt2" else f"{tok.kind}-{tok.vocab_hash[:12]}"  # lm-eval's cache key
 
     # --------------------------------------------------------------------------------------------- scoring
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:

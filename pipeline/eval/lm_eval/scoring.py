@@ -4,7 +4,9 @@ prompts of any lengths with a KV cache.
 
 Depths are exits: recurrence steps r for GRT, layers for the dense model. A request is (context tokens,
 continuation tokens); like lm-eval's HF model, the input is the last ``max_length + 1`` tokens of
-context + continuation minus the final one, so the continuation is scored with as much context as fits.
+context + continuation minus the final one, so the continuation is scored with as much context as fits. A request
+is one document (``data.document_masking``): each is its own row from position 0, right-padded, so no ``docs`` are
+passed and a model trained with masking scores it as it trained.
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from pipeline.eval.exit_losses import logsumexp_into
 from pipeline.infer.generate import generate
 from pipeline.infer.precision import exact_fp32
 from pipeline.model.kv_cache import KVCache
+from pipeline.model.layers import predicted_weight
 
 Request = tuple[Sequence[int], Sequence[int]]
 
@@ -43,7 +46,8 @@ def loglikelihoods(model, requests: Sequence[Request], depths: Sequence[int], ba
     the order of ``requests``.
     """
     device = next(model.parameters()).device
-    w = model.lm_head.weight.float().t()
+    # the real vocabulary only: the padding rows of model.vocab_multiple never get a logit or a share of the softmax
+    w = predicted_weight(model.lm_head).float().t()
     bufs = [torch.empty(head_chunk(w.shape[1], device, buffers=2), w.shape[1], device=device) for _ in range(2)]
     windows = [_window(c, t, max_length) for c, t in requests]
     cut = sum(len(t) > max_length for _, t in requests)

@@ -18,13 +18,24 @@ class GRTHFConfig(PretrainedConfig):
                  n_prelude=2, n_core=5, n_coda=2, n_recurrence=4, reinject=True, gate="elementwise",
                  state_noise="every_step", sigma_x=0.1, sigma_g=0.1, tau=1.0, gate_bias_init=4.0, init_state="prelude",
                  depth_sampling="uniform", n_steps=None, kv_strategy="full", use_cache=True, bos_token_id=50256,
-                 eos_token_id=50256, tie_word_embeddings=False, **kwargs):
+                 eos_token_id=50256, tie_word_embeddings=False, block="gpt2", n_kv_head=None, rope_theta=10000.0,
+                 mlp_ratio=None, mlp_multiple=256, qk_norm=False, vocab_multiple=1, **kwargs):
         self.vocab_size = vocab_size
         self.block_size = block_size  # learned positions: the longest sequence the model reads
         self.d_model = d_model
         self.n_head = n_head
         self.dropout = dropout
         self.bias = bias  # biases in the blocks' Linears and in every LayerNorm
+        # the blocks: gpt2 (pre-LN, learned positions, GELU MLP) | llama (RMSNorm, rotary positions, SwiGLU with
+        # hidden size mlp_ratio (null: 8/3) * d_model rounded up to mlp_multiple, n_kv_head key/value heads (null:
+        # n_head), RMSNorm over each head's q and k when qk_norm)
+        self.block = block
+        self.n_kv_head = n_kv_head
+        self.rope_theta = rope_theta
+        self.mlp_ratio = mlp_ratio
+        self.mlp_multiple = mlp_multiple
+        self.qk_norm = qk_norm
+        self.vocab_multiple = vocab_multiple  # training only: the exported embedding holds the vocab_size real rows
         self.n_prelude = n_prelude
         self.n_core = n_core
         self.n_coda = n_coda
@@ -53,6 +64,8 @@ class GRTHFConfig(PretrainedConfig):
             problems.append(f"gate={gate!r}: choose elementwise or none")
         if init_state not in ("prelude", "zeros", "noise"):
             problems.append(f"init_state={init_state!r}: choose prelude, zeros or noise")
+        if block not in ("gpt2", "llama"):
+            problems.append(f"block={block!r}: choose gpt2 or llama")
         if d_model % n_head:
             problems.append(f"d_model={d_model} is not divisible by n_head={n_head}")
         if n_steps is not None and n_steps < 0:

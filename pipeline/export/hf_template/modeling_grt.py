@@ -12,6 +12,12 @@ depth r = 1..2R). Parameter names are the pipeline's, so its checkpoints load he
         h = g * h + (1 - g) * o                           (gate=none: h = o; reinject=false: o = core(h))
     logits = LN_f(coda(h^(n))) wte^T                      n_coda blocks, then the tied head
 
+With ``block: llama`` the prelude, core and coda blocks are Llama-style (grt-pipeline's pipeline/model/llama.py):
+RMSNorm (eps 1e-6), rotary positions (``rope_theta``, Hugging Face's half-split layout, angles from the position
+ids, so left padding restarts each row at 0), grouped-query attention (``n_kv_head`` key/value heads, the cache holds
+only those), optional QK-norm, a SwiGLU MLP, no biases; there are no learned positions and the final norm is an
+RMSNorm. W_proj and the gate (with its LayerNorms) are as above.
+
 n = ``n_steps`` (forward / generate argument, else config.n_steps, else n_recurrence = R); any n >= 0 runs, deeper
 than R included (test-time depth scaling).
 
@@ -94,6 +100,101 @@ class Block(nn.Module):
         return x + self.mlp(self.ln_2(x)), kv
 
 
+class RMSNorm(nn.Module):
+    """x / sqrt(mean(x^2) + eps) * weight, normalised in fp32 and cast back before the weight."""
+
+    def __init__(self, dim, eps=1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        y = x.float()
+        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight.to(x.dtype) * y.to(x.dtype) if x.dtype != y.dtype else self.weight.to(y.dtype) * y
+
+
+def rotary_angles(position_ids, head_dim, theta):
+    """(cos, sin) [B, 1, T, head_dim/2] in fp32 of angle position * theta^(-2i/head_dim) (computed in fp64)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=position_ids.device, dtype=torch.float64)
+                                / head_dim))
+    angles = position_ids.to(torch.float64)[..., None] * inv_freq
+    return angles.cos().float()[:, None], angles.sin().float()[:, None]
+
+
+def rotate(x, rope):
+    """Dimension i paired with i + hd/2, each pair rotated by its angle (Hugging Face's rotate_half layout)."""
+    cos, sin = rope
+    half = x.shape[-1] // 2
+    xf = x.float()
+    x1, x2 = xf[..., :half], xf[..., half:]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+
+
+class LlamaAttention(nn.Module):
+    """Grouped-query attention with rotary positions and optional QK-norm; the cache holds the rotated keys."""
+
+    def __init__(self, d, n_head, n_kv_head, qk_norm):
+        super().__init__()
+        self.n_head, self.n_kv_head, self.head_dim = n_head, n_kv_head, d // n_head
+        self.q_proj = nn.Linear(d, n_head * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(d, n_kv_head * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(d, n_kv_head * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(n_head * self.head_dim, d, bias=False)
+        self.q_norm = RMSNorm(self.head_dim) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim) if qk_norm else None
+
+    def forward(self, x, past=None, key_valid=None, rope=None):
+        B, T, _ = x.shape
+        hd = self.head_dim
+        q = self.q_proj(x).view(B, T, self.n_head, hd).transpose(1, 2)
+        k = self.k_proj(x).view(B, T, self.n_kv_head, hd).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, self.n_kv_head, hd).transpose(1, 2)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rotate(q, rope), rotate(k, rope)
+        keys, values = (k, v) if past is None else (torch.cat([past[0], k], 2), torch.cat([past[1], v], 2))
+        group = self.n_head // self.n_kv_head  # query heads per key/value head
+        y = attend(q, keys.repeat_interleave(group, 1), values.repeat_interleave(group, 1), key_valid)
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, self.n_head * hd)), (k, v)
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, d, hidden):
+        super().__init__()
+        self.gate_proj = nn.Linear(d, hidden, bias=False)
+        self.up_proj = nn.Linear(d, hidden, bias=False)
+        self.down_proj = nn.Linear(hidden, d, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class LlamaBlock(nn.Module):
+    """Pre-norm block: x + attn(RMSNorm(x)), then + SwiGLU(RMSNorm(x)). Returns the output and its tokens' (k, v)."""
+
+    def __init__(self, config):
+        super().__init__()
+        d = config.d_model
+        ratio = 8 / 3 if config.mlp_ratio is None else config.mlp_ratio
+        blocks = ratio * d / config.mlp_multiple
+        hidden = config.mlp_multiple * (int(blocks) + (blocks > int(blocks)))  # rounded up, as math.ceil
+        self.ln_1 = RMSNorm(d)
+        self.attn = LlamaAttention(d, config.n_head, config.n_kv_head or config.n_head, config.qk_norm)
+        self.ln_2 = RMSNorm(d)
+        self.mlp = SwiGLU(d, hidden)
+
+    def forward(self, x, past=None, key_valid=None, rope=None):
+        a, kv = self.attn(self.ln_1(x), past, key_valid, rope)
+        x = x + a
+        return x + self.mlp(self.ln_2(x)), kv
+
+
+def make_block(config):
+    """One prelude / core / coda block of ``config.block``."""
+    return LlamaBlock(config) if config.block == "llama" else Block(config.d_model, config.n_head, config.bias)
+
+
 class Gate(nn.Module):
     """z = fc2(SiLU(fc1 [LN_h(h), LN_pre(h_pre)])); g = sigmoid(z / tau)."""
 
@@ -115,7 +216,7 @@ class Recurrence(nn.Module):
         super().__init__()
         d = config.d_model
         self.proj = nn.Linear(2 * d, d) if config.reinject else None
-        self.blocks = nn.ModuleList(Block(d, config.n_head, config.bias) for _ in range(config.n_core))
+        self.blocks = nn.ModuleList(make_block(config) for _ in range(config.n_core))
         self.gate = Gate(d, config.bias) if config.gate == "elementwise" else None
 
 
@@ -151,16 +252,20 @@ class GRTForCausalLM(PreTrainedModel, GenerationMixin):
     config_class = GRTHFConfig
     base_model_prefix = "grt"
     main_input_name = "input_ids"
-    _no_split_modules = ["Block"]
+    _no_split_modules = ["Block", "LlamaBlock"]
 
     def __init__(self, config):
         super().__init__(config)
         d, bias = config.d_model, config.bias
-        self.embed = nn.ModuleDict(dict(wte=nn.Embedding(config.vocab_size, d), wpe=nn.Embedding(config.block_size, d)))
-        self.prelude = nn.ModuleList(Block(d, config.n_head, bias) for _ in range(config.n_prelude))
+        self.llama = config.block == "llama"
+        embed = dict(wte=nn.Embedding(config.vocab_size, d))
+        if not self.llama:  # the llama block has rotary positions instead
+            embed["wpe"] = nn.Embedding(config.block_size, d)
+        self.embed = nn.ModuleDict(embed)
+        self.prelude = nn.ModuleList(make_block(config) for _ in range(config.n_prelude))
         self.recur = Recurrence(config)
-        self.coda = nn.ModuleList(Block(d, config.n_head, bias) for _ in range(config.n_coda))
-        self.ln_f = nn.LayerNorm(d, eps=1e-5, bias=bias)
+        self.coda = nn.ModuleList(make_block(config) for _ in range(config.n_coda))
+        self.ln_f = RMSNorm(d) if self.llama else nn.LayerNorm(d, eps=1e-5, bias=bias)
         self.post_init()
 
     def get_input_embeddings(self):
@@ -199,13 +304,18 @@ class GRTForCausalLM(PreTrainedModel, GenerationMixin):
                 key_valid = attention_mask.bool()
         if position_ids is None:
             position_ids = torch.arange(seen, seen + T, device=input_ids.device)[None]
-        if int(position_ids.max()) >= cfg.block_size:
-            raise ValueError(f"position {int(position_ids.max())} is past block_size={cfg.block_size}, the longest "
-                             f"sequence this model has position embeddings for; shorten the input")
-
-        x = self.embed["wte"](input_ids) + self.embed["wpe"](position_ids)
+        if self.llama:  # rotary angles of this call's positions, shared by every block
+            extra = {"rope": rotary_angles(position_ids.expand(input_ids.shape[0], -1), cfg.d_model // cfg.n_head,
+                                           cfg.rope_theta)}
+            x = self.embed["wte"](input_ids)
+        else:
+            if int(position_ids.max()) >= cfg.block_size:
+                raise ValueError(f"position {int(position_ids.max())} is past block_size={cfg.block_size}, the "
+                                 f"longest sequence this model has position embeddings for; shorten the input")
+            extra = {}
+            x = self.embed["wte"](input_ids) + self.embed["wpe"](position_ids)
         for i, block in enumerate(self.prelude):
-            x, kv = block(x, past.prelude[i] if past is not None else None, key_valid)
+            x, kv = block(x, past.prelude[i] if past is not None else None, key_valid, **extra)
             if past is not None:
                 past.prelude[i] = _append(past.prelude[i], kv)
         h_pre = x
@@ -222,7 +332,7 @@ class GRTForCausalLM(PreTrainedModel, GenerationMixin):
                     slot = past.core[r][j]
                 else:  # the compacted past; none while encoding the prompt (full per-step attention inside it)
                     slot = past.core[0][j] if decoding else None
-                o, kv = block(o, slot, key_valid)
+                o, kv = block(o, slot, key_valid, **extra)
                 if past is not None and full:
                     past.core[r][j] = _append(slot, kv)
                 elif past is not None:
@@ -236,7 +346,7 @@ class GRTForCausalLM(PreTrainedModel, GenerationMixin):
             for j, kvs in enumerate(step_kv):
                 past.core[0][j] = _append(past.core[0][j], self._compact(kvs, strategy))
         for i, block in enumerate(self.coda):
-            h, kv = block(h, past.coda[i] if past is not None else None, key_valid)
+            h, kv = block(h, past.coda[i] if past is not None else None, key_valid, **extra)
             if past is not None:
                 past.coda[i] = _append(past.coda[i], kv)
         if past is not None:
