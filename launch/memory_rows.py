@@ -396,11 +396,10 @@ def activation_bytes(model_cfg, micro_batch: int, mode: str, a: int = 4, s: int 
         raise ValueError(f"train.activation_checkpointing={mode!r}; use one of {CHECKPOINTING_MODES}")
     llama = None
     if model_cfg.block == "llama":
-        from pipeline.model.llama import swiglu_hidden
 
         c = model_cfg
-        llama = (c.kv_heads() * (c.d_model // c.n_head), c.kv_heads(),
-                 swiglu_hidden(c.d_model, c.swiglu_ratio(), c.mlp_multiple), c.qk_norm)
+        llama = (c.kv_dim(), c.kv_heads(),
+                 c.mlp_hidden(), c.qk_norm)
     x = Shapes(micro_batch, model_cfg.block_size, model_cfg.d_model, model_cfg.n_head, model_cfg.vocab_size, a, s,
                chunk_bytes, llama, document_masking)
     if model_cfg.type not in ROWS:

@@ -106,7 +106,7 @@ class Shapes:
         return 8 * self.BT  # mean + rstd, fp32
 
     def norm_stats(self) -> int:
-        """What the model's norm (``layers.final_norm``) saves besides its input: LN's statistics, or RMSNorm's
+        """What the model's norm (``layers.norm_layer``) saves besides its input: LN's statistics, or RMSNorm's
         fp32 normalised input and rsqrt."""
         return self.ln_stats() if self.llama is None else 4 * self.BTd + 4 * self.BT
 

@@ -411,7 +411,7 @@ def test_cache_bytes_per_token_follow_the_layer_count(model_type, kv):
         layers = cfg.n_prelude + cfg.n_core * (cfg.n_recurrence if kv == "full" else 1) + cfg.n_coda
     flags = layers - cfg.n_prelude - cfg.n_coda if model_type == "mor" else 0  # MoR's core keeps a key flag
     assert cache.n_layer_caches() == layers
-    kv_width = cfg.kv_heads() * (cfg.d_model // cfg.n_head)  # grouped-query attention caches n_kv_head heads
+    kv_width = cfg.kv_dim()  # grouped-query attention caches n_kv_head heads
     assert cache.nbytes() == (layers * 2 * kv_width * 8 + flags) * B * cfg.block_size  # K and V in float64
 
 

@@ -13,12 +13,12 @@ from pipeline.infer.generate import generate
 from pipeline.model import build_model
 from pipeline.model.configs import MODEL_CONFIGS
 from pipeline.model.configs import GPTConfig
+from pipeline.model.configs import swiglu_hidden
 from pipeline.model.layers import transformer_block
 from pipeline.model.layout import TokenLayout
 from pipeline.model.llama import LlamaAttention
 from pipeline.model.llama import RMSNorm
 from pipeline.model.llama import apply_rotary
-from pipeline.model.llama import swiglu_hidden
 from pipeline.model.registry import count_params
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny ops run faster on one thread

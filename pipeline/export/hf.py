@@ -130,12 +130,11 @@ def llama_config(cfg):
     from transformers import Qwen3Config
 
     from pipeline.model.llama import RMS_EPS
-    from pipeline.model.llama import swiglu_hidden
 
     fields = dict(vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, num_hidden_layers=cfg.n_layer,
-                  intermediate_size=swiglu_hidden(cfg.d_model, cfg.swiglu_ratio(), cfg.mlp_multiple),
+                  intermediate_size=cfg.mlp_hidden(),
                   num_attention_heads=cfg.n_head, num_key_value_heads=cfg.kv_heads(),
-                  head_dim=cfg.d_model // cfg.n_head, hidden_act="silu", max_position_embeddings=cfg.block_size,
+                  head_dim=cfg.head_dim(), hidden_act="silu", max_position_embeddings=cfg.block_size,
                   rms_norm_eps=RMS_EPS, rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
                   attention_bias=False, attention_dropout=cfg.dropout, tie_word_embeddings=True, dtype="float32")
     eot = EOT_ID if EOT_ID < cfg.vocab_size else None  # GPT-2's end of text, where the vocabulary has it

@@ -3,9 +3,8 @@ prefill), with a key mask (left pads, MoR's routing), and within documents (``da
 
 Kernels: PyTorch's SDPA everywhere, with a boolean mask where one is needed; within documents on CUDA,
 FlexAttention with the forward's block mask (:meth:`pipeline.model.layout.TokenLayout.block_mask`), whose kernel
-skips the key blocks that lie wholly in other documents. ``DOCUMENT_KERNEL`` chooses: ``auto`` (flex on CUDA when
-torch has it, SDPA elsewhere), ``sdpa`` or ``flex``. Grouped-query attention (fewer key/value heads than query
-heads) goes to the kernels' own GQA support."""
+skips the key blocks that lie wholly in other documents (:func:`pipeline.model.layout.uses_flex` chooses).
+Grouped-query attention (fewer key/value heads than query heads) goes to the kernels' own GQA support."""
 from __future__ import annotations
 
 import functools
@@ -14,8 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from pipeline.model.layout import TokenLayout
-
-DOCUMENT_KERNEL = "auto"  # auto | sdpa | flex
+from pipeline.model.layout import uses_flex
 
 
 @functools.lru_cache(maxsize=None)
@@ -27,19 +25,6 @@ def _compiled_flex():
     from torch.nn.attention.flex_attention import flex_attention
 
     return torch.compile(flex_attention)
-
-
-def uses_flex(q: torch.Tensor, dropout_p: float) -> bool:
-    """Whether document-masked attention on ``q``'s device runs FlexAttention (else SDPA with a dense mask)."""
-    if DOCUMENT_KERNEL == "sdpa" or dropout_p > 0:  # FlexAttention has no dropout
-        return False
-    if DOCUMENT_KERNEL == "flex":
-        return True
-    try:
-        import torch.nn.attention.flex_attention  # noqa: F401
-    except ImportError:
-        return False
-    return q.is_cuda
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0,

@@ -4,6 +4,7 @@ architecture adds its class here and one line to :data:`MODEL_CONFIGS` (and its 
 from __future__ import annotations
 
 import difflib
+import math
 from dataclasses import dataclass
 from typing import Any
 from typing import Optional
@@ -19,6 +20,12 @@ def choice(key: str, value: str, allowed: list[str]) -> list[str]:
     near = difflib.get_close_matches(str(value), allowed, n=1)
     hint = f" — did you mean '{near[0]}'?" if near else ""
     return [f"{key}={value!r} is not one of {allowed}{hint}"]
+
+
+def swiglu_hidden(d_model: int, mlp_ratio: float, multiple: int) -> int:
+    """The SwiGLU hidden size: mlp_ratio * d rounded up to a multiple of ``multiple`` (Llama: 8/3 d, multiple 256,
+    so 4096 -> 11008)."""
+    return multiple * math.ceil(mlp_ratio * d_model / multiple)
 
 
 @dataclass
@@ -77,8 +84,16 @@ class ModelConfig:
         """Key/value heads of each attention layer (n_head unless grouped-query attention)."""
         return self.n_kv_head or self.n_head
 
-    def swiglu_ratio(self) -> float:
-        return 8 / 3 if self.mlp_ratio is None else self.mlp_ratio
+    def head_dim(self) -> int:
+        return self.d_model // self.n_head
+
+    def kv_dim(self) -> int:
+        """Width of each attention layer's keys (and values): kv heads x head size."""
+        return self.kv_heads() * self.head_dim()
+
+    def mlp_hidden(self) -> int:
+        """The llama block's SwiGLU hidden size (mlp_ratio, default 8/3, x d rounded up to mlp_multiple)."""
+        return swiglu_hidden(self.d_model, 8 / 3 if self.mlp_ratio is None else self.mlp_ratio, self.mlp_multiple)
 
     def embedding_rows(self) -> int:
         """Rows of the token embedding and the tied head: vocab_size rounded up to a multiple of vocab_multiple."""

@@ -10,11 +10,11 @@ from pipeline.model.layers import KVCache
 from pipeline.model.layers import block_flops_per_token
 from pipeline.model.layers import cache_slot
 from pipeline.model.layers import copy_full
-from pipeline.model.layers import final_norm
 from pipeline.model.layers import head_flops_per_token
 from pipeline.model.layers import head_output
 from pipeline.model.layers import init_gpt2_weights
 from pipeline.model.layers import lm_head
+from pipeline.model.layers import norm_layer
 from pipeline.model.layers import token_embedding
 from pipeline.model.layers import token_layout
 from pipeline.model.layers import transformer_block
@@ -28,7 +28,7 @@ class GPT(LanguageModel):
         self.cfg = cfg
         self.embed = token_embedding(cfg)
         self.blocks = nn.ModuleList(self.make_block(cfg) for _ in range(cfg.n_layer))
-        self.ln_f = final_norm(cfg)
+        self.ln_f = norm_layer(cfg)
         self.lm_head = lm_head(cfg, self.embed)  # tied head
 
     @staticmethod

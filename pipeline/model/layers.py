@@ -20,7 +20,7 @@ from pipeline.model.kv_cache import cache_slot  # noqa: F401 (re-exported)
 from pipeline.model.layout import TokenLayout
 from pipeline.model.llama import LlamaBlock
 from pipeline.model.llama import RMSNorm
-from pipeline.model.llama import swiglu_hidden
+from pipeline.model.llama import SwiGLU
 from pipeline.runtime.seeds import derive_seed
 
 
@@ -145,13 +145,21 @@ def transformer_block(cfg: ModelConfig) -> nn.Module:
     """One standard block of ``cfg.block``: GPT-2's pre-LN block or the Llama-style block."""
     if cfg.block == "llama":
         return LlamaBlock(cfg.d_model, cfg.n_head, cfg.kv_heads(),
-                          swiglu_hidden(cfg.d_model, cfg.swiglu_ratio(), cfg.mlp_multiple), cfg.dropout, cfg.qk_norm)
+                          cfg.mlp_hidden(), cfg.dropout, cfg.qk_norm)
     return Block(cfg.d_model, cfg.n_head, cfg.dropout, cfg.bias)
 
 
-def final_norm(cfg: ModelConfig) -> nn.Module:
-    """The norm before the head (and wherever a model normalises its residual stream): LayerNorm or RMSNorm."""
+def norm_layer(cfg: ModelConfig) -> nn.Module:
+    """The norm of ``cfg.block``, before the head and inside blocks built outside this module: LayerNorm or
+    RMSNorm."""
     return RMSNorm(cfg.d_model) if cfg.block == "llama" else LayerNorm(cfg.d_model, cfg.bias)
+
+
+def feed_forward(cfg: ModelConfig) -> nn.Module:
+    """The MLP of ``cfg.block``: GPT-2's GELU x4 or the llama block's SwiGLU."""
+    if cfg.block == "llama":
+        return SwiGLU(cfg.d_model, cfg.mlp_hidden(), cfg.dropout)
+    return MLP(cfg.d_model, cfg.dropout, cfg.bias)
 
 
 def lm_head(cfg: ModelConfig, embed: TokenEmbedding) -> nn.Linear:
@@ -168,7 +176,7 @@ def token_layout(cfg: ModelConfig, idx: torch.Tensor, start: int | torch.Tensor 
     documents (positions are the embedding's business there, and attention is plain causal: the paper's path)."""
     if cfg.block == "gpt2" and docs is None:
         return None
-    rope = (cfg.d_model // cfg.n_head, cfg.rope_theta) if cfg.block == "llama" else None
+    rope = (cfg.head_dim(), cfg.rope_theta) if cfg.block == "llama" else None
     return TokenLayout.build(idx, start, docs, rope)
 
 
@@ -262,8 +270,8 @@ def block_weight_params(cfg: ModelConfig) -> int:
     the llama block."""
     d = cfg.d_model
     if cfg.block == "llama":
-        d_kv = cfg.kv_heads() * (d // cfg.n_head)
-        return d * (2 * d + 2 * d_kv) + 3 * d * swiglu_hidden(d, cfg.swiglu_ratio(), cfg.mlp_multiple)
+        d_kv = cfg.kv_dim()
+        return d * (2 * d + 2 * d_kv) + 3 * d * cfg.mlp_hidden()
     return 12 * d * d
 
 

@@ -8,14 +8,34 @@ document each token belongs to (non-decreasing along the window). A query attend
 document, and positions count from that document's first token in the window. Without it (``docs`` None), the
 window is one sequence, as GPT-2 and the paper train.
 
-The attention itself (:func:`pipeline.model.layers.causal_attention`) reads the mask in the form its kernel takes:
-a boolean [B, 1, T, T] block-causal mask for SDPA, or FlexAttention's block mask, which lets a CUDA kernel skip
-the blocks that lie wholly across documents. Both are built lazily, once per forward, and they are data, not
-shapes: a compiled block does not recompile when the document layout changes from batch to batch.
+The attention itself (:func:`pipeline.model.attention.causal_attention`) reads the mask in the form its kernel
+takes: a boolean [B, 1, T, T] block-causal mask for SDPA, or FlexAttention's block mask, which lets a CUDA kernel
+skip the blocks that lie wholly across documents (:func:`uses_flex` chooses). The layout builds that mask when it is
+made, in the model's eager code before any block runs: a compiled or checkpointed block only reads it (no write into
+an object from outside, which dynamo would refuse), and the mask is data, not a shape, so a compiled block does not
+recompile when the document layout changes from batch to batch. The other form is built on first use (dropout or a
+key mask with documents on CUDA take SDPA's).
 """
 from __future__ import annotations
 
+import copy
+
 import torch
+
+DOCUMENT_KERNEL = "auto"  # auto (flex on CUDA when torch has it, SDPA elsewhere) | sdpa | flex
+
+
+def uses_flex(q: torch.Tensor, dropout_p: float) -> bool:
+    """Whether document-masked attention on ``q``'s device runs FlexAttention (else SDPA with a dense mask)."""
+    if DOCUMENT_KERNEL == "sdpa" or dropout_p > 0:  # FlexAttention has no dropout
+        return False
+    if DOCUMENT_KERNEL == "flex":
+        return True
+    try:
+        import torch.nn.attention.flex_attention  # noqa: F401
+    except ImportError:
+        return False
+    return q.is_cuda
 
 
 def document_positions(docs: torch.Tensor) -> torch.Tensor:
@@ -54,6 +74,14 @@ class RotaryAngles:
         self.cos = angles.cos().to(torch.float32)[:, None]
         self.sin = angles.sin().to(torch.float32)[:, None]
 
+    def gather(self, index: torch.Tensor) -> "RotaryAngles":
+        """The angles of the tokens at ``index`` [B, k] (the same values: each angle depends on its position only)."""
+        out = copy.copy(self)
+        at = index[:, None, :, None].expand(-1, 1, -1, self.cos.shape[-1])
+        out.cos = self.cos.expand(index.shape[0], -1, -1, -1).gather(2, at)
+        out.sin = self.sin.expand(index.shape[0], -1, -1, -1).gather(2, at)
+        return out
+
 
 class TokenLayout:
     """The positions, the attention mask and the rotary angles of one forward's tokens (see the module doc).
@@ -63,6 +91,8 @@ class TokenLayout:
     def __init__(self, positions: torch.Tensor, docs: torch.Tensor | None = None, rope: RotaryAngles | None = None):
         self.positions, self.docs, self.rope = positions, docs, rope
         self._dense_mask = self._block_mask = None
+        if docs is not None:  # the kernel's mask, now (module doc)
+            self.block_mask() if uses_flex(docs, 0.0) else self.dense_mask()
 
     @classmethod
     def build(cls, idx: torch.Tensor, start: int | torch.Tensor = 0, docs: torch.Tensor | None = None,
@@ -86,6 +116,18 @@ class TokenLayout:
             positions = (start + torch.arange(T, device=idx.device))[None]
         angles = RotaryAngles(positions, *rope) if rope is not None else None
         return cls(positions, docs, angles)
+
+    def select(self, index: torch.Tensor, real: torch.Tensor | None = None) -> "TokenLayout":
+        """The layout of the tokens at ``index`` [B, k] (in causal order: MoR's chosen tokens): their positions,
+        rotary angles and documents; the padding where ``real`` is False (at the end of a row) goes in a document of
+        its own."""
+        positions = self.positions.expand(index.shape[0], -1).gather(1, index)
+        docs = None
+        if self.docs is not None:
+            docs = self.docs.gather(1, index)
+            if real is not None:
+                docs = torch.where(real, docs, self.docs.amax() + 1)
+        return TokenLayout(positions, docs, None if self.rope is None else self.rope.gather(index))
 
     def dense_mask(self) -> torch.Tensor:
         """[B, 1, T, T] bool: query t may attend to key s <= t of its own document (SDPA's attn_mask)."""

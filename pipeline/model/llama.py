@@ -13,8 +13,6 @@ dimension on q and k, before the rotation.
 """
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -39,12 +37,6 @@ class RMSNorm(nn.Module):
         y = x.to(dtype)
         y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight.to(x.dtype) * y.to(x.dtype) if x.dtype != dtype else self.weight.to(dtype) * y
-
-
-def swiglu_hidden(d_model: int, mlp_ratio: float, multiple: int) -> int:
-    """The SwiGLU hidden size: mlp_ratio * d rounded up to a multiple of ``multiple`` (Llama: 8/3 d, multiple 256,
-    so 4096 -> 11008)."""
-    return multiple * math.ceil(mlp_ratio * d_model / multiple)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

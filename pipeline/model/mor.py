@@ -54,7 +54,6 @@ from pipeline.model.layers import head_output
 from pipeline.model.layers import init_gpt2_weights
 from pipeline.model.layers import token_layout
 from pipeline.model.layers import transformer_block
-from pipeline.model.layout import RotaryAngles
 from pipeline.model.layout import TokenLayout
 from pipeline.model.layout import document_positions
 from pipeline.model.recurrent import RecurrentLM
@@ -124,7 +123,7 @@ class MoRRecursion(nn.Module):
         top = logits.topk(k, dim=1, sorted=False).indices.sort(dim=1).values
         index = top if chosen is None else chosen.gather(1, top)  # positions in the full sequence
         o = x.gather(1, top[..., None].expand(-1, -1, d))
-        sub = None if layout is None else self._chosen_layout(layout, index)
+        sub = None if layout is None else layout.select(index)
         for block in self.blocks:
             o = block(o, layout=sub)
         h = h.scatter_add(1, index[..., None].expand(-1, -1, d), weight.gather(1, top)[..., None] * o)
@@ -152,7 +151,7 @@ class MoRRecursion(nn.Module):
         index = torch.where(take, t, T + t).argsort(dim=1)[:, : capacity.slots[r].shape[0]]
         real = take.gather(1, index)
         o = h.gather(1, index[..., None].expand(-1, -1, d))
-        sub = self._chosen_layout(layout, index, real)
+        sub = layout.select(index, real)
         for block in self.blocks:
             o = block(o, layout=sub)
         weight = torch.where(real, self.cfg.router_alpha * torch.sigmoid(logits.gather(1, index)), 0.0)
@@ -162,21 +161,6 @@ class MoRRecursion(nn.Module):
             bce = F.binary_cross_entropy_with_logits(logits, take.to(logits.dtype), reduction="none")
             aux = (bce * candidate).sum() / candidate.sum()
         return h, take, aux
-
-    def _chosen_layout(self, layout: TokenLayout, index: torch.Tensor,
-                       real: torch.Tensor | None = None) -> TokenLayout:
-        """The layout of the tokens at ``index`` [B, k] (causal order): their positions (rotary angles) and
-        documents; padding (``real`` False, at the end of a row) goes in a document of its own."""
-        positions = layout.positions.expand(index.shape[0], -1).gather(1, index)
-        docs = None
-        if layout.docs is not None:
-            docs = layout.docs.gather(1, index)
-            if real is not None:
-                docs = torch.where(real, docs, layout.docs.amax() + 1)
-        rope = None
-        if layout.rope is not None:
-            rope = RotaryAngles(positions, self.cfg.d_model // self.cfg.n_head, self.cfg.rope_theta)
-        return TokenLayout(positions, docs, rope)
 
     def _threshold(self, h: torch.Tensor, r: int, chosen: torch.Tensor | None, cache: KVCacheAtStep | None,
                    layout: TokenLayout | None):

@@ -41,11 +41,11 @@ from pipeline.model.layers import at_step
 from pipeline.model.layers import block_flops_per_token
 from pipeline.model.layers import cache_slot
 from pipeline.model.layers import copy_full
-from pipeline.model.layers import final_norm
 from pipeline.model.layers import head_flops_per_token
 from pipeline.model.layers import head_output
 from pipeline.model.layers import init_gpt2_weights
 from pipeline.model.layers import lm_head
+from pipeline.model.layers import norm_layer
 from pipeline.model.layers import predicted_weight
 from pipeline.model.layers import token_embedding
 from pipeline.model.layers import token_layout
@@ -71,7 +71,7 @@ class OuroLoop(nn.Module):
     def __init__(self, cfg: OuroConfig):
         super().__init__()
         self.blocks = nn.ModuleList(transformer_block(cfg) for _ in range(cfg.n_layer))
-        self.ln_f = final_norm(cfg)
+        self.ln_f = norm_layer(cfg)
 
     def forward(self, h: torch.Tensor, cache: KVCacheAtStep | None = None, run_blocks: bool = True,
                 layout: TokenLayout | None = None) -> torch.Tensor:

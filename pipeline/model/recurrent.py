@@ -13,8 +13,8 @@ from pipeline.model.configs import RecurrentConfig
 from pipeline.model.interface import LanguageModel
 from pipeline.model.layers import KVCache
 from pipeline.model.layers import cache_slot
-from pipeline.model.layers import final_norm
 from pipeline.model.layers import lm_head
+from pipeline.model.layers import norm_layer
 from pipeline.model.layers import token_embedding
 from pipeline.model.layers import transformer_block
 from pipeline.model.layout import TokenLayout
@@ -28,7 +28,7 @@ class RecurrentLM(LanguageModel):
         self.prelude = nn.ModuleList(transformer_block(cfg) for _ in range(cfg.n_prelude))
         self.recur = recur
         self.coda = nn.ModuleList(transformer_block(cfg) for _ in range(cfg.n_coda))
-        self.ln_f = final_norm(cfg)
+        self.ln_f = norm_layer(cfg)
         self.lm_head = lm_head(cfg, self.embed)  # tied head
 
     def recurrent_core(self) -> nn.Module:

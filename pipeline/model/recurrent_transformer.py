@@ -31,14 +31,12 @@ import torch.nn.functional as F
 
 from pipeline.model.configs import RecurrentTransformerConfig
 from pipeline.model.gpt import GPT
-from pipeline.model.layers import MLP
 from pipeline.model.layers import LayerNorm
+from pipeline.model.layers import feed_forward
 from pipeline.model.layout import TokenLayout
 from pipeline.model.llama import LlamaAttention
 from pipeline.model.llama import RMSNorm
-from pipeline.model.llama import SwiGLU
 from pipeline.model.llama import apply_rotary
-from pipeline.model.llama import swiglu_hidden
 from pipeline.model.self_kv_attention import attend_reference
 from pipeline.model.self_kv_attention import attend_tiled
 
@@ -58,7 +56,7 @@ class SelfKVBlock(nn.Module):
             self.ln_1 = RMSNorm(d)
             self.attn = LlamaAttention(d, cfg.n_head, cfg.kv_heads(), cfg.dropout, cfg.qk_norm)
             self.ln_2 = RMSNorm(d)
-            self.mlp = SwiGLU(d, swiglu_hidden(d, cfg.swiglu_ratio(), cfg.mlp_multiple), cfg.dropout)
+            self.mlp = feed_forward(cfg)
             return
         self.ln_1 = LayerNorm(d, cfg.bias)
         self.c_attn = nn.Linear(d, 3 * d, bias=cfg.bias)
@@ -66,7 +64,7 @@ class SelfKVBlock(nn.Module):
         self.c_proj.is_residual_projection = True
         self.resid_dropout = nn.Dropout(cfg.dropout)
         self.ln_2 = LayerNorm(d, cfg.bias)
-        self.mlp = MLP(d, cfg.dropout, cfg.bias)
+        self.mlp = feed_forward(cfg)
 
     def _heads(self, t: torch.Tensor, n_head: int | None = None) -> torch.Tensor:
         B, T, C = t.shape
@@ -193,4 +191,4 @@ class RecurrentTransformer(GPT):
 def memory_kv_flops(cfg: RecurrentTransformerConfig) -> int:
     """One layer's memory key/value projections per token: 2 x 2 d d_kv (d_kv = kv heads x head size)."""
     d = cfg.d_model
-    return 4 * d * cfg.kv_heads() * (d // cfg.n_head)
+    return 4 * d * cfg.kv_dim()

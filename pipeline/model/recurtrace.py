@@ -52,24 +52,22 @@ from pipeline.model.attention import causal_attention
 from pipeline.model.configs import RecurTraceConfig
 from pipeline.model.fp32_linear import FP32Linear
 from pipeline.model.fp32_linear import autocast_off
-from pipeline.model.layers import MLP
 from pipeline.model.layers import KVCache
 from pipeline.model.layers import acc_dtype
 from pipeline.model.layers import at_step
 from pipeline.model.layers import block_flops_per_token
 from pipeline.model.layers import cache_slot
 from pipeline.model.layers import copy_full
-from pipeline.model.layers import final_norm
+from pipeline.model.layers import feed_forward
 from pipeline.model.layers import head_flops_per_token
 from pipeline.model.layers import head_output
 from pipeline.model.layers import init_gpt2_weights
+from pipeline.model.layers import norm_layer
 from pipeline.model.layers import predicted_weight
 from pipeline.model.layers import token_layout
 from pipeline.model.layout import TokenLayout
 from pipeline.model.llama import RMSNorm
-from pipeline.model.llama import SwiGLU
 from pipeline.model.llama import apply_rotary
-from pipeline.model.llama import swiglu_hidden
 from pipeline.model.recurrent import RecurrentLM
 
 _ROWS_BYTES = 1 << 26  # fp32 scores of one chunk of query rows in the union attention (64 MiB)
@@ -166,7 +164,7 @@ class LoopMemoryAttention(nn.Module):
         d = cfg.d_model
         self.n_head, self.mode, self.llama = cfg.n_head, cfg.loop_memory, cfg.block == "llama"
         if self.llama:
-            hd, kv_heads = d // cfg.n_head, cfg.kv_heads()
+            hd, kv_heads = cfg.head_dim(), cfg.kv_heads()
             self.n_kv_head = kv_heads
             self.q_proj = nn.Linear(d, d, bias=False)
             self.k_proj = nn.Linear(d, kv_heads * hd, bias=False)
@@ -246,14 +244,10 @@ class LoopBlock(nn.Module):
 
     def __init__(self, cfg: RecurTraceConfig):
         super().__init__()
-        d = cfg.d_model
-        self.ln_1 = final_norm(cfg)  # LayerNorm (gpt2) or RMSNorm (llama)
+        self.ln_1 = norm_layer(cfg)  # LayerNorm (gpt2) or RMSNorm (llama)
         self.attn = LoopMemoryAttention(cfg)
-        self.ln_2 = final_norm(cfg)
-        if cfg.block == "llama":
-            self.mlp = SwiGLU(d, swiglu_hidden(d, cfg.swiglu_ratio(), cfg.mlp_multiple), cfg.dropout)
-        else:
-            self.mlp = MLP(d, cfg.dropout, cfg.bias)
+        self.ln_2 = norm_layer(cfg)
+        self.mlp = feed_forward(cfg)
 
     def forward(self, x, memory, kv=None, halted=None, layout: TokenLayout | None = None):
         a, kv_now = self.attn(self.ln_1(x), memory, kv, halted, layout)
@@ -298,7 +292,7 @@ class RecurTrace(RecurrentLM):
 
     def __init__(self, cfg: RecurTraceConfig):
         super().__init__(cfg, LoopStep(cfg))
-        self.ln_halt = final_norm(cfg)
+        self.ln_halt = norm_layer(cfg)
         self.halt = FP32Linear(cfg.d_model, 1, bias=True)  # the logit in fp32: BCE and the threshold read it
         self.last_loops: torch.Tensor | None = None  # [B, T] loops each token ran in the last halting forward
         self.last_mean_loops: float | None = None

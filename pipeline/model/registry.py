@@ -87,10 +87,9 @@ def model_info(cfg: ModelConfig) -> dict:
     info["flops_notes"] = cls.flops_notes(cfg)
     info["d_model"] = cfg.d_model
     if cfg.block != "gpt2" or cfg.embedding_rows() != cfg.vocab_size:  # the paper's recipes print what they did
-        from pipeline.model.llama import swiglu_hidden
 
         info.update(block=cfg.block, n_head=cfg.n_head, n_kv_head=cfg.kv_heads(), vocab_size=cfg.vocab_size,
                     embedding_rows=cfg.embedding_rows())
         if cfg.block == "llama":
-            info["mlp_hidden"] = swiglu_hidden(cfg.d_model, cfg.swiglu_ratio(), cfg.mlp_multiple)
+            info["mlp_hidden"] = cfg.mlp_hidden()
     return info

@@ -36,15 +36,14 @@ from pipeline.model.layers import block_flops_per_token
 from pipeline.model.layers import block_weight_params
 from pipeline.model.layers import cache_slot
 from pipeline.model.layers import copy_full
-from pipeline.model.layers import final_norm
 from pipeline.model.layers import head_flops_per_token
 from pipeline.model.layers import head_output
 from pipeline.model.layers import init_gpt2_weights
+from pipeline.model.layers import norm_layer
 from pipeline.model.layers import token_layout
 from pipeline.model.layout import TokenLayout
 from pipeline.model.llama import RMSNorm
 from pipeline.model.llama import apply_rotary
-from pipeline.model.llama import swiglu_hidden
 from pipeline.model.recurrent import RecurrentLM
 
 
@@ -115,7 +114,7 @@ class RRTLlamaAttention(nn.Module):
     def __init__(self, cfg: RRTConfig):
         super().__init__()
         d, lora = cfg.d_model, (cfg.n_recurrence, cfg.lora_rank, cfg.lora_alpha)
-        self.n_head, self.n_kv_head, self.head_dim = cfg.n_head, cfg.kv_heads(), d // cfg.n_head
+        self.n_head, self.n_kv_head, self.head_dim = cfg.n_head, cfg.kv_heads(), cfg.head_dim()
         d_kv = self.n_kv_head * self.head_dim
         self.q_proj = LoRALinear(d, d, False, *lora)
         self.k_proj = LoRALinear(d, d_kv, False, *lora)
@@ -150,7 +149,7 @@ class RRTSwiGLU(nn.Module):
     def __init__(self, cfg: RRTConfig):
         super().__init__()
         d, lora = cfg.d_model, (cfg.n_recurrence, cfg.lora_rank, cfg.lora_alpha)
-        f = swiglu_hidden(d, cfg.swiglu_ratio(), cfg.mlp_multiple)
+        f = cfg.mlp_hidden()
         self.gate_proj = LoRALinear(d, f, False, *lora)
         self.up_proj = LoRALinear(d, f, False, *lora)
         self.down_proj = LoRALinear(f, d, False, *lora)
@@ -168,9 +167,9 @@ class RRTBlock(nn.Module):
     def __init__(self, cfg: RRTConfig):
         super().__init__()
         llama = cfg.block == "llama"
-        self.ln_1 = final_norm(cfg)
+        self.ln_1 = norm_layer(cfg)
         self.attn = RRTLlamaAttention(cfg) if llama else RRTAttention(cfg)
-        self.ln_2 = final_norm(cfg)
+        self.ln_2 = norm_layer(cfg)
         self.mlp = RRTSwiGLU(cfg) if llama else RRTMLP(cfg)
 
     def forward(self, x: torch.Tensor, r: int, kv: KVSlot | None = None,
@@ -257,8 +256,8 @@ class RRT(RecurrentLM):
         each, down f + d (9d + 2 d_kv + 3f; d_kv = n_kv_head * head size, f the SwiGLU hidden size)."""
         d = cfg.d_model
         if cfg.block == "llama":
-            d_kv = cfg.kv_heads() * (d // cfg.n_head)
-            return 9 * d + 2 * d_kv + 3 * swiglu_hidden(d, cfg.swiglu_ratio(), cfg.mlp_multiple)
+            d_kv = cfg.kv_dim()
+            return 9 * d + 2 * d_kv + 3 * cfg.mlp_hidden()
         return 16 * d
 
     @staticmethod
@@ -272,7 +271,7 @@ class RRT(RecurrentLM):
         final norm, the token embeddings (padded rows included) and, with the gpt2 block, the learned positions."""
         d = cfg.d_model
         if cfg.block == "llama":
-            block_p = block_weight_params(cfg) + 2 * d + (2 * (d // cfg.n_head) if cfg.qk_norm else 0)
+            block_p = block_weight_params(cfg) + 2 * d + (2 * cfg.head_dim() if cfg.qk_norm else 0)
             final_p, positions = d, 0
         else:
             block_p = block_weight_params(cfg) + (13 * d if cfg.bias else 2 * d)

@@ -55,10 +55,10 @@ class Batch(NamedTuple):
 def batch_parts(batch, device=None) -> tuple[torch.Tensor, torch.Tensor | None, dict]:
     """(inputs, targets, the model's extra keyword arguments: ``docs=`` under document masking, else none) of a
     :class:`Batch` or of a plain (inputs, targets) pair, moved to ``device`` when given."""
-    x, y, docs = batch[0], batch[1], batch[2] if len(batch) > 2 else None
+    b = Batch(*batch)
     if device is not None:
-        x, y, docs = (None if t is None else t.to(device) for t in (x, y, docs))
-    return x, y, {} if docs is None else {"docs": docs}
+        b = b.to(device)
+    return b.inputs, b.targets, b.model_kwargs()
 
 
 class TokenShards:

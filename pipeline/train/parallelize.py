@@ -14,9 +14,7 @@ import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
 from pipeline.config import TrainConfig
-from pipeline.model.attention import uses_flex
 from pipeline.model.interface import LanguageModel
-from pipeline.model.layout import TokenLayout
 
 
 def checkpoint_module(module: nn.Module) -> None:
@@ -28,25 +26,9 @@ def checkpoint_module(module: nn.Module) -> None:
     def forward(*args, **kwargs):
         if not torch.is_grad_enabled():
             return inner(*args, **kwargs)
-        build_masks(*args, *kwargs.values())
         return checkpoint(inner, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
 
     module.forward = forward
-
-
-def build_masks(*args) -> None:
-    """Build the document mask of any :class:`TokenLayout` among ``args`` before a checkpointed region: the layout
-    builds it lazily, on first use, and that write into the layout, made inside a compiled checkpoint, is a side
-    effect dynamo refuses (a graph break, the block run eagerly). Outside it, a compiled block traces the write
-    once and then reads the built mask; a new layout per batch does not recompile. The kernel's own mask only
-    (FlexAttention's block mask on CUDA, SDPA's dense mask elsewhere); a key mask or dropout with documents on
-    CUDA (dense there) still builds it inside."""
-    for layout in args:
-        if isinstance(layout, TokenLayout) and layout.docs is not None:
-            if uses_flex(layout.docs, 0.0):
-                layout.block_mask()
-            else:
-                layout.dense_mask()
 
 
 def blocks_of(model: LanguageModel) -> dict[str, list[nn.Module]]:
