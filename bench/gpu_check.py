@@ -10,6 +10,7 @@ time cap, in this order:
   gate_op        bench/gate_op.py: kernel-only bandwidth vs copy_, end-to-end op time vs eager / compiled references
   train_d        bench/train.py --arms d: GRT vs dense tokens/s, eager / compiled (plain formula) / compiled + fused
   train_e        bench/train.py --arms e: MFU of GPT-2 medium
+  doc_attention  bench/document_attention.py: document-masked attention, FlexAttention vs SDPA, forward + backward
   decode_eager   bench/decode.py's Table 3, both scales, eager only (nothing compiled: these rows come back first)
   decode_table4  bench/decode.py's Table 4 (weights + KV bytes per KV strategy)
 and, not run unless named (--only or --all: they do not fit the same 8 minutes with a cold compile cache),
@@ -62,7 +63,7 @@ class Phase:
 
 
 # On the H200: one command may run 10 minutes and a session has 15 in all, the machine's start (1-2 min) included,
-# so the default phases' caps add up to 490 s (8.2 min; the parent's start and the processes' exits add ~20 s) and
+# so the default phases' caps add up to 510 s (8.5 min; the parent's start and the processes' exits add ~20 s) and
 # leave ~5 min for a rerun of a part (--only) or the two compiled decode phases (240 s). Nobody has timed these phases
 # on a GPU yet; the caps assume a cold compile cache (a fresh machine: inductor's and Triton's on-disk caches empty),
 # where compiling is most of every phase and the timed loops take seconds. Each phase's "s" in the JSON is the figure
@@ -78,6 +79,9 @@ CUDA_PHASES = (
     Phase("gate_op", ("bench/gate_op.py", "--dtypes", "bfloat16"), 35),  # bf16 only: what autocast hands the op
     Phase("train_d", ("bench/train.py", "--arms", "d", "--repeat", "10"), 90),  # three compiled models
     Phase("train_e", ("bench/train.py", "--arms", "e", "--mfu-steps", "150"), 55),  # one; 150 steps ~15 s
+    # FlexAttention compiled once (forward + backward) for two document layouts, SDPA's arms beside it: issue #26's
+    # choice of kernel for document masking on CUDA
+    Phase("doc_attention", ("bench/document_attention.py", "--sizes", "cuda"), 20),
     # nothing compiled: model builds (1.6B parameters initialised on the CPU over both scales) and ~24 generations
     Phase("decode_eager", (ME, "--decode", "eager", "--decode-sizes", "paper", "--repeat", "2"), 50),
     Phase("decode_table4", (ME, "--decode", "table4", "--decode-sizes", "paper"), 20),
@@ -96,6 +100,7 @@ CPU_PHASES = (
     Phase("gate_op", ("bench/gate_op.py",), 180),
     Phase("train_d", ("bench/train.py", "--arms", "d", "--repeat", "1"), 300),
     Phase("train_e", ("bench/train.py", "--arms", "e", "--mfu-steps", "2"), 120),
+    Phase("doc_attention", ("bench/document_attention.py", "--sizes", "cpu", "--repeat", "3"), 120),
     Phase("decode_eager", (ME, "--decode", "eager", "--decode-sizes", "reduced", "--repeat", "1"), 300),
     Phase("decode_table4", (ME, "--decode", "table4", "--decode-sizes", "reduced"), 150),
     Phase("decode_medium_compiled", (ME, "--decode", "medium", "--decode-sizes", "reduced", "--repeat", "1"), 600,
@@ -111,6 +116,7 @@ TINY_PHASES = (
                       "--dtypes", "float32", "--sigmas", "0.1"), 120),
     Phase("train_d", ("bench/train.py", "--arms", "d", "--repeat", "1"), 400),
     Phase("train_e", ("bench/train.py", "--arms", "e", "--mfu-steps", "1"), 120),
+    Phase("doc_attention", ("bench/document_attention.py", "--sizes", "tiny", "--repeat", "2"), 120),
     Phase("decode_eager", (ME, "--decode", "eager", "--decode-sizes", "tiny", "--repeat", "1"), 120),
     Phase("decode_table4", (ME, "--decode", "table4", "--decode-sizes", "tiny"), 60),
     Phase("decode_medium_compiled", (ME, "--decode", "medium", "--decode-sizes", "tiny", "--repeat", "1"), 300,
@@ -120,8 +126,9 @@ TINY_PHASES = (
 )
 
 
-# The figures issue #16 asks of a GPU run (phase, then keys into its result), and train_fsdp's verdict on the resume,
-# gathered at the top of the JSON as the phases finish and printed last, where the end of the output shows them
+# The figures issues #16 and #26 ask of a GPU run (phase, then keys into its result), and train_fsdp's verdict on
+# the resume, gathered at the top of the JSON as the phases finish and printed last, where the end of the output
+# shows them
 GATE_OP_FIGURES = ("kernel_fwd_gb_per_s", "kernel_bwd_gb_per_s", "copy_gb_per_s",
                    "kernel_fwd_fraction_of_copy_bandwidth", "kernel_bwd_fraction_of_copy_bandwidth",
                    "fused_op_fwd_bwd_us", "fused_op_overhead_over_kernels_us",
@@ -131,7 +138,9 @@ TRAIN_D_FIGURES = ("ratio_grt_over_dense_eager", "ratio_grt_compiled_plain_over_
 SUMMARY = (tuple(("gate_op", "results", "bfloat16_sigma0.1", k) for k in GATE_OP_FIGURES)
            + tuple(("train_d", "d_grt_vs_dense_eager_compiled_fused", k) for k in TRAIN_D_FIGURES)
            + (("train_e", "e_mfu_gpt2_medium", "mfu"), ("train_e", "e_mfu_gpt2_medium", "tokens_per_s"))
-           + (("train_fsdp", "comparison", "bitwise_equal"), ("train_fsdp", "comparison", "max_rel_diff")))
+           + (("train_fsdp", "comparison", "bitwise_equal"), ("train_fsdp", "comparison", "max_rel_diff"))
+           + tuple(("doc_attention", "layouts", layout, k) for layout in ("long", "short")
+                   for k in ("flex_over_sdpa_documents", "flex_over_sdpa_causal", "fastest_masked")))
 
 
 def summary(phases: dict) -> dict:
@@ -259,6 +268,7 @@ PHASE_MODULES = {
     "gate_op": ("bench/gate_op.py",),
     "train_d, train_e": ("bench/train.py",),
     "decode_*": ("bench/decode.py",),
+    "doc_attention": ("bench/document_attention.py",),
     "train_fsdp": ("bench/gpu_train_fsdp.py", "pipeline.train.trainer", "pipeline.train.checkpoint",
                    "pipeline.tokenize.writer", "pipeline.train.callbacks", "ops.gate_triton"),
 }

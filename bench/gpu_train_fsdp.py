@@ -107,7 +107,7 @@ def install_stand_ins(data_match_mod) -> list[str]:
     if not hasattr(data_match_mod, "tokenizer_identity"):
         raise RuntimeError("pipeline.train.data_match no longer imports tokenizer_identity: update "
                            "install_stand_ins in bench/gpu_check.py")
-    data_match_mod.tokenizer_identity = lambda name="gpt2": dict(SYNTHETIC_TOKENIZER)
+    data_match_mod.tokenizer_identity = lambda spec="gpt2", pattern=None: dict(SYNTHETIC_TOKENIZER)
     if importlib.util.find_spec("yaml") is None:
         from pipeline.config import RunConfig
 

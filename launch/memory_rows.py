@@ -61,12 +61,17 @@ launch/memory_shapes.py. Embeddings, prelude / coda blocks and the head are as t
                           chunked fp32 kernel recomputes its scores in backward: no [T, T] probabilities kept);
                           separate: the block + a BTd + the loop softmax's fp32 probabilities 4 BHT i and its fp32
                           keys and values 8 i BTd; both + the fp32 attention output 4 BTd when a != 4
+                          [llama block: - a BTd (o_proj reads a view of the attention output); union: + 2 a BT
+                          (d - d_kv) (keys/values saved repeated to the H heads); union with documents: the bool
+                          [B, 1, T, T] mask B T^2 in place of T^2 + SDPA's 4 BTT]
       halting head        per loop i < R - 1: LN(h)'s output 4 BTd (fp32 into the fp32 halting Linear) (its input h
                           is the next loop's, counted there)
                           and statistics 8 BT, the BCE's fp32 logit and target 8 BT; once the target mask BT; the
-                          oracle's per-loop losses run under no_grad
+                          oracle's per-loop losses run under no_grad [llama block, RMSNorm: 8 BTd + 8 BT per loop,
+                          + 4 BT with halt_detach=false; measured at a = 4]
       core_step           per loop its input h (s BTd); once the loop memory of loops 0..R-2 (3 a BTd per core
-                          block, held by the later loops' checkpoints even with loop_memory=none). Region: the last
+                          block, llama 2 a BT d_kv: k/v_proj's own outputs; held by the later loops' checkpoints
+                          even with loop_memory=none). Region: the last
                           loop without its inputs
       blocks              per block its input, the loop memory as in core_step; region: the larger block
     Recurrent Transformer n_layer self-KV layers, T positions in order inside each (dense: core_step is refused and
@@ -82,6 +87,13 @@ launch/memory_shapes.py. Embeddings, prelude / coda blocks and the head are as t
                           (self_kv_attention._RecomputedPartial). Per layer and token, in d-wide rows: about
                           22 - 2 / tile + log2(T / tile) (the dense block: 16). prefill=reference: per position t
                           its t + 1 keys and values concatenated (Theta(T^2 d)) and q_t copied, no qkv.
+                          [llama block: + 3 (4 BTd - 4 BT) (three RMSNorms: fp32 normalised input, rsqrt in place
+                          of LN's statistics) + a BT (4f - 8d) (SwiGLU for GELU); keys/values saved repeated to the
+                          H heads (d wide, as gpt2's); without an own key or with the reference - 2 a BTd (k/v_proj's
+                          unread own outputs); QK-norm + (4 + a) BT(d + 2 d_kv) + 4 BT(H + 2 H_kv) (q, own and memory
+                          keys), less 4 BT(d_kv + H_kv) without an own key. Exact (<= 40 B) but for QK-norm
+                          without an own key (-290 B, 0.05%, a per-head remainder) and QK-norm with the reference
+                          (-2 BT(2H - H_kv) bytes unaccounted, ~0.1%: not in the test's rows)]
                           Workspace: the first cross step's T/2 x T/2 scores, about 5 fp32 copies while backward
                           recomputes them (not measured on the CPU), or the head's if larger
       blocks              per layer its input; region: one layer
@@ -266,19 +278,29 @@ def recurtrace(c, x: Shapes, mode: str) -> Activations:
         if not memory or i == 0:  # no loop keys: SDPA, the pre-LN block's tensors
             return x.block(s)
         upcast = 4 * BTd if a != 4 else 0  # the fp32 copy of the attention output the fp32 scores produce
+        # llama: o_proj reads a view of the attention output, counted once (its q/k/v_proj are separate tensors)
+        view = a * BTd if x.llama is not None else 0
         if c.loop_memory == "union":  # the chunked fp32 kernel: the mask, the stacked earlier keys and values
-            return x.block(s) + T * T + 2 * a * i * BTd + upcast
+            # its bool mask: causal [T, T], or [B, 1, T, T] with documents (in place of SDPA's fp32 one); GQA keys and
+            # values saved repeated to every query head
+            mask = B * T * T - 4 * B * T * T if x.docs else T * T
+            gqa = 2 * a * x.BT * (x.d - x.llama[0]) if x.llama is not None else 0
+            return x.block(s) + mask + 2 * a * i * BTd + upcast - view + gqa
         # separate: SDPA for the positions, an fp32 softmax over the i loop keys (their fp32 keys and values kept)
-        return x.block(s) + a * BTd + 4 * B * H * T * i + 8 * i * BTd + upcast
+        return x.block(s) + a * BTd + 4 * B * H * T * i + 8 * i * BTd + upcast - view
 
-    halting = (R - 1) * (4 * BTd + 16 * BT) + BT if c.halt_coef > 0 and R > 1 else 0
+    # the halting norm's fp32 output (and RMSNorm's fp32 normalised input) and statistics, the BCE's logit and target
+    # (RMSNorm of a detached state keeps no rsqrt for its input's gradient: + 4 BT when the head reads h itself)
+    halt_loop = 4 * BTd + 16 * BT if x.llama is None else 8 * BTd + 8 * BT + (0 if c.halt_detach else 4 * BT)
+    halting = (R - 1) * halt_loop + BT if c.halt_coef > 0 and R > 1 else 0
     outside = x.embed() + x.mean_head(s) + halting
     if mode == "none":
         saved = outside + outer * x.block(s) + n_core * sum(loop_block(i) for i in range(R))
         return Activations(saved, 0.0, x.mean_head_workspace())
     # the loop memory of loops 0..R-2 (their qkv tensors): inputs of the later loops' checkpoints, carried even
     # when loop_memory=none reads none of it
-    held = n_core * (R - 1) * 3 * a * BTd
+    # (gpt2: k and v are views of c_attn's qkv output; llama: k_proj's and v_proj's own, d_kv wide)
+    held = n_core * (R - 1) * a * (3 * BTd if x.llama is None else 2 * x.BT * x.llama[0])
     if mode == "core_step":
         saved = outside + outer * x.block(s) + R * s * BTd + held
         return Activations(saved, n_core * loop_block(R - 1) - s * BTd, x.mean_head_workspace())
@@ -330,6 +352,18 @@ def recurrent_transformer(c, x: Shapes, mode: str) -> Activations:
     # LN_1(y2) and the memory keys/values 2 of every position but the last (a); the attention's rows and scalars
     layer = (2 * s + 14 * a) * BTd + (s + 3 * a) * BTd - 2 * a * B * x.d
     layer += 4 * B * x.d * rows + 4 * B * H * scalars + masks + 3 * x.ln_stats()
+    if x.llama is not None:  # the llama block's parts: its keys/values are saved repeated to every query head (d wide)
+        d_kv, H_kv, f, qk_norm = x.llama
+        # three RMSNorms (LN_1(x), LN_2(y), LN_1(y)): + the fp32 normalised input, an rsqrt in place of LN's two
+        # statistics; SwiGLU's gate, silu, up, product (4 a BTf) in place of GELU's 4 + 4 a BTd
+        layer += 3 * (4 * BTd - 4 * x.BT) + a * x.BT * (4 * f - 8 * x.d)
+        if c.own_key == "none" or c.prefill == "reference":  # k_proj's and v_proj's outputs: their own tensors,
+            # unread without an own key, copied into each position's keys by the reference (gpt2: views of c_attn's)
+            layer -= 2 * a * BTd
+        if qk_norm:  # q_norm of q, k_norm of the own and of the memory keys: input, fp32 normalised, rsqrt per head
+            layer += (4 + a) * x.BT * (x.d + 2 * d_kv) + 4 * x.BT * (H + 2 * H_kv)
+            if c.own_key == "none":  # the unread own keys' k_norm: its fp32 normalised input and rsqrt freed
+                layer -= 4 * x.BT * (d_kv + H_kv)
     outside = x.embed() + x.mean_head(s)
     # the first cross step's scores over T/2 x T/2 (fp32), transient: about five at once (s, p, dp, ds, the ties)
     # when backward recomputes them, beside everything saved; not measured on the CPU, like the head's

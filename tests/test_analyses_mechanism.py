@@ -77,6 +77,63 @@ def test_recomputed_attention_times_v_is_the_modules_attention():
     torch.testing.assert_close(P.sum(-1), torch.ones(2, 4, 10))
 
 
+def test_llama_attention_recomputed_within_documents_is_the_modules_attention():
+    """GQA (2 key heads for 4 query heads), QK-norm, rotary positions restarting at each document: the recomputed
+    probabilities times the values give the module's own output, and no weight crosses a document."""
+    from pipeline.model.layout import TokenLayout
+    from pipeline.model.llama import LlamaAttention
+
+    torch.manual_seed(0)
+    attn = LlamaAttention(32, 4, 2, 0.0, qk_norm=True).eval()
+    with torch.no_grad():
+        attn.q_proj.weight.mul_(5)
+    x, docs = torch.randn(2, 10, 32), torch.tensor([[0] * 4 + [1] * 6, [0] * 7 + [1] * 3])
+    layout = TokenLayout.build(torch.zeros(2, 10, dtype=torch.long), docs=docs, rope=(8, 10000.0))
+    P = attention_probabilities(attn, x, layout)
+    _, _, v = attn.projections(x, layout)
+    y = (P @ v.repeat_interleave(2, dim=1)).transpose(1, 2).reshape(2, 10, 32)
+    torch.testing.assert_close(attn.o_proj(y), attn(x, layout=layout), atol=1e-5, rtol=1e-5)
+    same_doc = (docs[:, :, None] == docs[:, None, :])[:, None]
+    assert torch.all(P[~same_doc.expand_as(P)] == 0) and torch.all(P.triu(1) == 0)
+    torch.testing.assert_close(P.sum(-1), torch.ones(2, 4, 10))
+
+
+def test_row_statistics_within_documents_count_each_documents_prefix():
+    """Documents of 3 and 2 tokens, a head uniform over the keys each row sees: rows 1, 2 and 4 count (0 and 3 see
+    one key), normalised by ln of their own keys."""
+    docs = torch.tensor([[0, 0, 0, 1, 1]])
+    visible = ((docs[:, :, None] == docs[:, None, :]) & torch.ones(5, 5, dtype=torch.bool).tril())[:, None]
+    P = visible.float() / visible.sum(-1, keepdim=True)
+    stats, rows = attention_row_statistics(P, visible=visible)
+    assert rows == 3
+    want = {"entropy": (math.log(2) + math.log(3) + math.log(2)) / 3, "entropy_normalised": 1.0,
+            "prev_mass": (1 / 2 + 1 / 3 + 1 / 2) / 3, "diag_mass": (1 / 2 + 1 / 3 + 1 / 2) / 3,
+            "distance": (1 / 2 + 1 + 1 / 2) / 3}
+    for name, value in want.items():
+        assert stats[name].item() == pytest.approx(value, abs=1e-6), name
+
+
+@torch.no_grad()
+def test_llama_grt_attention_statistics_within_documents_equal_the_documents_apart():
+    """A llama GRT's traced attention statistics over a window of two documents are the row-weighted mean of the
+    statistics of each document run alone (the masked forward equals separate forwards)."""
+    from pipeline.train.data import Batch
+
+    model = tiny_grt(block="llama", bias=False, n_kv_head=2)
+    for block in model.recur.blocks:  # sharper heads than near-uniform ones, so heads and steps differ
+        block.attn.q_proj.weight.mul_(6.0)
+    x = batches(n=1, B=1, T=12)[0][0]
+    docs = torch.tensor([[0] * 5 + [1] * 7])
+    masked = traced_pass(model, [Batch(x, x, docs)], 3, "cpu", ["attention"], noise=False,
+                         analysis_tokens=0)["attention"]
+    apart = [traced_pass(model, [(part, None)], 3, "cpu", ["attention"], noise=False, analysis_tokens=0)["attention"]
+             for part in (x[:, :5], x[:, 5:])]
+    for name in ("entropy", "entropy_normalised", "prev_mass", "diag_mass", "distance"):
+        want = (4 * np.array(apart[0][name]) + 6 * np.array(apart[1][name])) / 10  # 4 and 6 rows see 2+ keys
+        np.testing.assert_allclose(np.array(masked[name]), want, atol=2e-5, err_msg=name)
+    assert np.ptp(np.array(masked["entropy"])) > 0.1  # heads that differ: the comparison means something
+
+
 def test_row_statistics_on_hand_made_patterns():
     T = 5
     P = torch.zeros(1, 3, T, T)

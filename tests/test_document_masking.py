@@ -119,3 +119,41 @@ def test_masked_loss_and_gradients_equal_separate_documents(model_type, block):
     assert masked.keys() == separate.keys()
     for n in masked:
         torch.testing.assert_close(masked[n], separate[n], rtol=1e-9, atol=1e-11, msg=lambda m: f"{n}: {m}")
+
+
+@pytest.mark.parametrize("block", BLOCKS)
+def test_mor_training_aux_loss_within_documents_by_hand(block):
+    """MoR's training loss under masking: CE + coef * sum_r BCE_r, where BCE_r is the mean over every candidate of
+    the window of BCE(router logit, 1[the token is among the top k_r(L) of its own document]); rebuilt by hand from
+    each document's router logits run alone (k_r(L) = max(1, floor((N - r) L / N)))."""
+    import torch.nn.functional as F
+
+    torch.manual_seed(0)
+    cfg = small("mor", block)
+    cfg.aux_loss_coef = 0.5  # large enough that a wrong BCE moves the loss far past float64 noise
+    model = build_model(cfg, seed=0).double()
+    idx = window()
+    targets, docs = torch.roll(idx, -1, dims=1), documents_from_eos(idx, EOS)
+    N = cfg.n_recurrence
+    logits: dict[int, torch.Tensor] = {}
+    hooks = [router.register_forward_hook(lambda _m, _a, out, r=r: logits.__setitem__(r, out.squeeze(-1).detach()))
+             for r, router in enumerate(model.recur.routers)]
+    bce_sum, candidates = torch.zeros(N, dtype=torch.float64), torch.zeros(N, dtype=torch.float64)
+    model.train()
+    with torch.no_grad():
+        for b in range(idx.shape[0]):
+            for d in docs[b].unique().tolist():
+                where = (docs[b] == d).nonzero().flatten()
+                model(idx[b:b + 1, where], targets[b:b + 1, where])
+                for r in range(N):
+                    z = logits[r][0]  # this recursion's candidates (what recursion r - 1 chose), in order
+                    k = max(1, (N - r) * where.numel() // N)
+                    member = torch.zeros_like(z).scatter(0, z.topk(k).indices, 1.0)
+                    bce_sum[r] += F.binary_cross_entropy_with_logits(z, member, reduction="sum")
+                    candidates[r] += z.numel()
+        for h in hooks:
+            h.remove()
+        _, trained = model(idx, targets, docs=docs)
+        model.eval()
+        _, ce = model(idx, targets, docs=docs)  # the same routing without the aux term (dropout 0, no noise)
+    torch.testing.assert_close(trained - ce, cfg.aux_loss_coef * (bce_sum / candidates).sum(), rtol=0, atol=1e-10)

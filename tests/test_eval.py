@@ -48,12 +48,12 @@ SMALL_MODELS = {  # every registered type besides grt (tiny_recipe's default)
 METHODS = ["poisson", "mor", "rrt", "ouro"]
 
 
-def small(model_type: str):
+def small(model_type: str, **model_keys):
     """A tiny model on the real GPT-2 vocabulary (so the adapter's tokenizer applies), weights moved off init."""
     torch.manual_seed(1)
-    recipe = tiny_recipe(Path("/tmp"), Path("/tmp"), {"d_model": 16, "n_head": 2})
+    recipe = tiny_recipe(Path("/tmp"), Path("/tmp"), {"d_model": 16, "n_head": 2, **model_keys})
     if model_type != "grt":
-        recipe["model"] = {"block_size": 32, "d_model": 16, "n_head": 2, **SMALL_MODELS[model_type]}
+        recipe["model"] = {"block_size": 32, "d_model": 16, "n_head": 2, **SMALL_MODELS[model_type], **model_keys}
     cfg = from_dict(recipe)
     model = build_model(cfg.model).eval()
     if model_type == "mor":
@@ -498,14 +498,18 @@ def test_adapter_refuses_a_depth_past_the_last_recursion():
         GRTLM(model=model, cfg=cfg, n_steps=4)
 
 
-def test_ouro_exit_distribution_and_q_exit_rule_by_hand():
-    """Mean p_t and, per q, the loss of exiting each token at the first loop whose cumulative p reaches q."""
+@pytest.mark.parametrize("vocab_multiple", [1, 128])
+def test_ouro_exit_distribution_and_q_exit_rule_by_hand(vocab_multiple):
+    """Mean p_t and, per q, the loss of exiting each token at the first loop whose cumulative p reaches q. With a
+    padded vocabulary the padding rows (made large here) take no share of the softmax: the reference's logits are
+    the model's, which stop at the real vocabulary."""
     from pipeline.eval.analyses.methods import Q_LEVELS
     from pipeline.eval.analyses.methods import ouro_report
 
-    model, cfg = small("ouro")
+    model, cfg = small("ouro", vocab_multiple=vocab_multiple)
     with torch.no_grad():
         model.exit_gate.bias.fill_(0.3)  # a gate that spreads the exits over the loops
+        model.lm_head.weight[50257:].fill_(5.0)  # padding rows that would dominate a softmax over them
     torch.manual_seed(3)
     batches = [(torch.randint(0, 50257, (2, 32)), torch.randint(0, 50257, (2, 32))) for _ in range(2)]
     got = ouro_report(model, cfg.model, lambda: iter(batches), torch.device("cpu"))

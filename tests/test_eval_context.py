@@ -1,5 +1,8 @@
 """`eval.block_size` / `eval.context_lengths`: the loss at a context other than trained, on validation windows of that
 length, against a hand forward over windows cut from the raw validation tokens; the gpt2 block's refusal."""
+import json
+
+import mlflow
 import numpy as np
 import pytest
 import torch
@@ -40,15 +43,25 @@ def test_llama_scores_at_twice_the_trained_context_on_windows_of_that_length(tmp
     from pipeline.train.trainer import Trainer
 
     cfg = from_dict(dense_recipe(tmp_path, corpus, LLAMA, train={"max_steps": 2, "checkpoint_interval": 2},
-                                eval={"val_tokens": 512, "diagnostics": False}))
+                                eval={"val_tokens": 512, "diagnostics": False}, tracking={"enabled": True}))
     tokenize(cfg.data, quiet=True)
     Trainer(cfg).fit()
+    own = evaluate(cfg.run_dir, quiet=True)  # the run's own figures, at the trained context
     res = evaluate(cfg.run_dir, ["eval.block_size=64", "eval.context_lengths=[16,64]"], quiet=True)
     model, _, _, _ = load_trained(cfg.run_dir)
     arrays = [np.asarray(a) for a in TokenShards(cfg.data.dataset_dir, "val").arrays]
     by_hand = {n: hand_loss(model, arrays, n, 512) for n in (16, 32, 64)}
     assert res["block_size"] == 64 and res["val_tokens"] == 512
     assert res["val_loss"] == pytest.approx(by_hand[64], rel=1e-5)
+    # the longer context writes beside the run's own results (read by compare / paper-table), never over them
+    saved = json.loads((cfg.run_dir / "eval" / "exits.json").read_text())
+    assert saved["block_size"] == 32 and saved["val_loss"] == pytest.approx(by_hand[32], rel=1e-5)
+    assert json.loads((cfg.run_dir / "eval_ctx64" / "exits.json").read_text())["block_size"] == 64
+    client = mlflow.MlflowClient(cfg.tracking.uri)
+    assert [m.value for m in client.get_metric_history(own["mlflow_run_id"], "eval.val_loss")] == \
+        pytest.approx([by_hand[32]], rel=1e-5)
+    assert [m.value for m in client.get_metric_history(res["mlflow_run_id"], "eval_ctx64.val_loss")] == \
+        pytest.approx([by_hand[64]], rel=1e-5)
     ctx = res["context"]
     assert ctx["block_size"] == [16, 32, 64] and ctx["trained_block_size"] == 32
     assert ctx["loss"] == pytest.approx([by_hand[16], by_hand[32], by_hand[64]], rel=1e-5)

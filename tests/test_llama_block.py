@@ -233,3 +233,20 @@ def hidden_of(model, idx):
     for block in model.blocks:
         h = block(h, layout=layout)
     return h
+
+
+def test_block_keys_are_checked_together():
+    """The llama block's own keys are refused on a gpt2 block (each named: a silently ignored rope_theta or
+    mlp_multiple is a run that is not what its recipe says); the llama block's rules are collected in one list."""
+    gpt2 = GPTConfig(n_layer=2, rope_theta=500000.0, mlp_multiple=64, n_kv_head=2, qk_norm=True, mlp_ratio=3.0)
+    problems = gpt2.validate()
+    assert len(problems) == 1 and "model.block=gpt2" in problems[0] and "set model.block: llama" in problems[0]
+    for key in ("n_kv_head", "rope_theta", "mlp_ratio", "mlp_multiple", "qk_norm"):
+        assert f"model.{key}" in problems[0]
+    assert GPTConfig(n_layer=2, rope_theta=10000.0, mlp_multiple=256).validate() == []  # the defaults: nothing set
+    llama = GPTConfig(n_layer=2, block="llama", d_model=36, n_head=4, n_kv_head=3, rope_theta=0.0, mlp_ratio=-1.0)
+    problems = llama.validate()
+    assert len(problems) == 5
+    for words in ("model.bias=true", "n_kv_head=3 must be >= 1 and divide model.n_head=4", "is odd",
+                  "rope_theta must be > 0", "mlp_ratio must be > 0"):
+        assert any(words in p for p in problems), words

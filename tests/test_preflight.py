@@ -170,7 +170,10 @@ DENSE_SHAPES = {
     "recurrent_transformer 1L T40 tile6 no-own-key d48": (RecurrentTransformerConfig(
         vocab_size=96, block_size=40, d_model=48, n_head=3, n_layer=1, tile=6, own_key="none"), 2),
 }
-# The llama block (GQA, QK-norm or not, SwiGLU's rounded hidden size) and document masking (" docs": SDPA's mask)
+# The llama block (GQA, QK-norm or not, SwiGLU's rounded hidden size) and document masking (" docs": SDPA's mask).
+# RecurTrace and the Recurrent Transformer: their own parts on it (loop memory, self-KV layer with keys rotated at their
+# own positions). Not a row: the Recurrent Transformer with QK-norm and prefill=reference, under by 2 BT (2H - H_kv)
+# bytes (about 0.1% at these sizes, a per-head remainder not derived).
 _LLAMA = dict(block="llama", bias=False, n_kv_head=2, mlp_multiple=16)
 LLAMA_SHAPES = {
     "gpt llama 3L d64": (GPTConfig(vocab_size=512, block_size=64, d_model=64, n_head=4, n_layer=3, **_LLAMA), 2),
@@ -192,12 +195,31 @@ LLAMA_SHAPES = {
                                             n_core=2, n_coda=1, n_recurrence=3, **_LLAMA), 2),
     "ouro llama 2Lx3 d32 docs": (OuroConfig(vocab_size=128, block_size=32, d_model=32, n_head=2, n_layer=2,
                                             n_recurrence=3, **_LLAMA), 2),
+    # RecurTrace's loop memory and the Recurrent Transformer's self-KV layer on the llama block (rotary, GQA)
+    "recurtrace llama 1+1x4+1 union H4 d32 docs": (RecurTraceConfig(vocab_size=128, block_size=32, d_model=32,
+                                                                    n_head=4, n_prelude=1, n_core=1, n_coda=1,
+                                                                    n_recurrence=4, **_LLAMA), 2),
+    "recurtrace llama 1+1x3+1 union no-memory d32": (RecurTraceConfig(vocab_size=128, block_size=32, d_model=32,
+                                                                      n_head=2, n_prelude=1, n_core=1, n_coda=1,
+                                                                      n_recurrence=3, loop_memory="none",
+                                                                      **_LLAMA), 2),
+    "recurtrace llama qk-norm 0+2x3+1 separate no-halt d48 docs": (RecurTraceConfig(
+        vocab_size=96, block_size=24, d_model=48, n_head=3, n_prelude=0, n_core=2, n_coda=1, n_recurrence=3,
+        loop_memory="separate", halt_coef=0.0, **{**_LLAMA, "n_kv_head": 1, "qk_norm": True}), 2),
+    "recurrent_transformer llama 2L T64 tile8 H4 d32 docs": (RecurrentTransformerConfig(
+        vocab_size=96, block_size=64, d_model=32, n_head=4, n_layer=2, tile=8, **_LLAMA), 2),
+    "recurrent_transformer llama 1L T24 reference H4 d32": (RecurrentTransformerConfig(
+        vocab_size=96, block_size=24, d_model=32, n_head=4, n_layer=1, prefill="reference", **_LLAMA), 2),
+    "recurrent_transformer llama qk-norm 1L T40 tile6 no-own-key d48": (RecurrentTransformerConfig(
+        vocab_size=96, block_size=40, d_model=48, n_head=3, n_layer=1, tile=6, own_key="none",
+        **{**_LLAMA, "n_kv_head": 1, "qk_norm": True}), 2),
     "grt 1+1x3+1 d32 docs": (GRTConfig(vocab_size=128, block_size=32, d_model=32, n_head=2, n_prelude=1, n_core=1,
                                        n_coda=1, n_recurrence=3), 2),
 }
 CASES = [(name, mode) for name in {**GRT_SHAPES, **METHOD_SHAPES} for mode in ("none", "core_step", "blocks")]
 CASES += [(name, mode) for name in DENSE_SHAPES for mode in ("none", "blocks")]
-CASES += [(name, mode) for name in LLAMA_SHAPES for mode in ("none", "blocks", "core_step")[:2 + (name[:3] != "gpt")]]
+CASES += [(name, mode) for name in LLAMA_SHAPES
+          for mode in ("none", "blocks", "core_step")[:2 + (name.split()[0] not in ("gpt", "recurrent_transformer"))]]
 # Every row matches what it measures (est / measured - 1, saved and peak; torch 2.13 CPU fp32) within MARGIN; each
 # measures within 0.03%: the estimate is derived term by term from what autograd saves and misses only a few
 # per-head scalars (the wrapped Python scale factor: 0-128 bytes). A dropped term moves a row by far more (two gate

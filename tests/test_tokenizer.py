@@ -23,6 +23,7 @@ from pipeline.tokenize.train_bpe import train_tokenizer
 from pipeline.tokenize.writer import verify_dataset
 from pipeline.train.data_match import check_dataset_matches_model
 
+R50K_SHA256 = "306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838dd930"  # tiktoken_ext.openai_public
 STDLIB = SourceConfig(kind="stdlib", max_bytes=1_500_000)  # the bundled corpus, its first 1.5 MB: seconds to train
 
 
@@ -121,7 +122,7 @@ def gpt2_ranks_file(tmp: Path) -> Path:
     return path
 
 
-def test_a_tiktoken_bpe_file_tokenizes_as_the_same_ranks_do_in_gpt2(tmp_path, corpus, monkeypatch):
+def test_a_tiktoken_bpe_file_tokenizes_as_the_same_ranks_do_in_gpt2(tmp_path, corpus):
     from pipeline.tokenize.bpe import gpt2_encoding
 
     gpt2 = gpt2_encoding()
@@ -133,14 +134,15 @@ def test_a_tiktoken_bpe_file_tokenizes_as_the_same_ranks_do_in_gpt2(tmp_path, co
     assert (tok.n_vocab, tok.eos_id, tok.bos_id) == (50257, 50256, None)
     assert tok.identity()["vocab_hash"] == hashlib.sha256(path.read_bytes()).hexdigest()
     assert tok.identity()["name"] == "tiktoken"
-    # a dataset made with it: every document as tiktoken itself encodes it with these ranks and cl100k_base's split
+    # this file is byte for byte tiktoken's r50k_base (its sha256), so it brings r50k's split pattern, as GPT-2 splits
+    assert hashlib.sha256(path.read_bytes()).hexdigest() == R50K_SHA256
+    # a dataset made with it: every document as tiktoken itself encodes it with these ranks and r50k_base's split
     # pattern (its own definition in tiktoken_ext), then EOS
     import tiktoken
     import tiktoken_ext.openai_public as openai_public
 
-    monkeypatch.setattr(openai_public, "load_tiktoken_bpe", lambda *a, **k: {})  # its ranks are a download
-    ref = tiktoken.Encoding("ref", pat_str=openai_public.cl100k_base()["pat_str"],
-                            mergeable_ranks=gpt2._mergeable_ranks, special_tokens={})
+    ref = tiktoken.Encoding("ref", pat_str=openai_public.r50k_pat_str, mergeable_ranks=gpt2._mergeable_ranks,
+                            special_tokens={})
     _, m = dataset(tmp_path, corpus, str(path), 1, "tt")
     assert m["tokenizer"]["name"] == "tiktoken" and m["totals"]["documents"] == 60
     ids = np.concatenate([np.fromfile(tmp_path / "tt" / sh["file"], dtype=m["dtype"])
@@ -149,7 +151,7 @@ def test_a_tiktoken_bpe_file_tokenizes_as_the_same_ranks_do_in_gpt2(tmp_path, co
     assert len(docs) == 60
     for d in docs:
         assert ref.encode_ordinary(gpt2.decode(d[:-1].tolist())) == d[:-1].tolist()
-    assert sum(" 1" in gpt2.decode(d.tolist()) for d in docs) > 5  # the patterns differ here (GPT-2 keeps " 12")
+    assert sum(" 1" in gpt2.decode(d.tolist()) for d in docs) > 5  # the patterns differ here (cl100k splits " 1")
 
 
 @pytest.mark.slow

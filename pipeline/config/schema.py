@@ -17,6 +17,7 @@ from pipeline.model.configs import GRTConfig
 from pipeline.model.configs import ModelConfig
 from pipeline.model.configs import at_least
 from pipeline.model.configs import choice
+from pipeline.tokenize.tokenizers import pattern_problems
 
 
 @dataclass
@@ -61,6 +62,9 @@ class DataConfig:
     validation_sources: list[SourceConfig] = field(default_factory=list)
     dataset_dir: str = "data/stdlib"  # tokenized shards + manifest.json
     tokenizer: str = "gpt2"  # gpt2 | a Hugging Face tokenizer.json | a tiktoken .tiktoken file (tokenize/tokenizers.py)
+    # A tiktoken file's split pattern: an encoding's name (r50k_base, cl100k_base, o200k_base, ...) or a regex. Needed
+    # only for a file that is not one of tiktoken's public encodings (those bring their own).
+    tiktoken_pattern: Optional[str] = None
     shard_tokens: int = 1 << 24  # tokens per shard file
     val_fraction: float = 0.01  # share of documents held out for validation (by content hash)
     dedup: bool = True  # drop exact duplicate documents (after whitespace normalisation), across all sources
@@ -94,6 +98,8 @@ class DataConfig:
         if self.tokenizer != "gpt2" and not self.tokenizer.endswith((".json", ".tiktoken")):  # see tokenizers.py
             p.append(f"data.tokenizer={self.tokenizer!r}: give 'gpt2', a Hugging Face tokenizer.json path (*.json) or "
                      f"a tiktoken BPE file (*.tiktoken)")
+        else:
+            p += pattern_problems(self.tokenizer, self.tiktoken_pattern)
         p += choice("data.verify", self.verify, ["size", "full"])
         if self.shard_tokens < 1024:
             p.append(f"data.shard_tokens={self.shard_tokens} is too small (minimum 1024)")
@@ -267,7 +273,8 @@ class EvalConfig:
     trace_prompts: list[str] = field(default_factory=lambda: [  # Figure 4: next-token probability at every step
         "The capital of France is", "2 + 2 =", "Once upon a time, there was a"])
     # the validation windows' length for the exit curve and val_loss (default model.block_size); longer than trained
-    # needs positions that extrapolate (model.block: llama, rotary); the gpt2 block's learned ones stop at block_size
+    # needs positions that extrapolate (model.block: llama, rotary); the gpt2 block's learned ones stop at block_size.
+    # Another length than trained writes runs/NAME/eval_ctxN/ and eval_ctxN.* metrics, beside the run's own eval/.
     block_size: Optional[int] = None
     # loss against context length: the loss at the trained depth on validation windows of each of these lengths (and
     # of model.block_size), printed one line per length and saved as "context" in exits.json; [] = none

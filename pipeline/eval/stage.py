@@ -98,9 +98,7 @@ def evaluate(path: str | Path, overrides: list[str] | None = None, quiet: bool =
         why for n in sorted({seq_len, *lengths}) for why in window_problems(val, n, "tokenize more validation text")]
     if problems:
         raise ValueError(" | ".join(problems))
-    # with eval.noise the results go beside the noise-off ones, never over them (grt sweep, paper-table and compare
-    # read eval/ and the eval.* metrics as the run's figures)
-    out_dir = run_dir_of(ckpt) / ("eval_noise" if ev.noise else "eval")
+    out_dir = run_dir_of(ckpt) / results_folder(ev.noise, seq_len, cfg.model.block_size)
     if ev.noise and cfg.model.type not in NOISY_TYPES:
         raise RecipeError([f"eval.noise=true: model type {cfg.model.type!r} draws no noise (the types with training "
                            f"noise are {list(NOISY_TYPES)}); set eval.noise=false"], f"grt eval {path}")
@@ -171,6 +169,13 @@ def evaluate(path: str | Path, overrides: list[str] | None = None, quiet: bool =
     if not quiet:
         print_report(result)
     return result
+
+
+def results_folder(noise: bool, seq_len: int, trained_block_size: int) -> str:
+    """Where a run's results go, and their metrics' prefix: ``eval`` for the run's own figures (the trained context,
+    noise off), which grt sweep, paper-table and compare read; eval.noise and an eval.block_size other than the
+    trained one write beside them, never over them: ``eval_noise``, ``eval_ctx2048``, ``eval_noise_ctx2048``."""
+    return "eval" + ("_noise" if noise else "") + (f"_ctx{seq_len}" if seq_len != trained_block_size else "")
 
 
 def context_losses(model, batches, lengths: list[int], seq_len: int, own: tuple, ref: int, device, ev) -> dict:
@@ -257,13 +262,14 @@ def baseline_model(cfg: RunConfig, baseline: list[dict], device) -> tuple[object
 
 def log_to_mlflow(cfg, state: dict, result: dict, out_dir: Path, plots: list[Path]) -> str:
     """Metrics with step = exit / recurrence step / depth, so MLflow draws them as curves; the JSON and plots as
-    artifacts under eval/ (eval_noise/ and eval_noise.* metrics with ``eval.noise``)."""
+    artifacts under the results folder, whose name is also the metrics' prefix (eval.*; eval_noise.* with
+    ``eval.noise``, eval_ctxN.* at another ``eval.block_size``: :func:`results_folder`)."""
     tracker = open_tracker(cfg.tracking, cfg.name, state.get("mlflow_run_id"), run_dir=out_dir.parent)
     plain = tracker.log_metrics
+    prefix = out_dir.name + "."
 
-    def log(metrics: dict, step: int) -> None:  # eval.noise: eval_noise.* beside the noise-off eval.* metrics
-        plain({("eval_noise." + k[5:] if result.get("noise") and k.startswith("eval.") else k): v
-               for k, v in metrics.items()}, step=step)
+    def log(metrics: dict, step: int) -> None:  # beside the run's own eval.* metrics, never over them
+        plain({(prefix + k[5:] if k.startswith("eval.") else k): v for k, v in metrics.items()}, step=step)
 
     for i, e in enumerate(result["exit"]):
         m = {"eval.exit_loss": result["loss"][i], "eval.exit_kl": result["kl"][i], "eval.exit_top1": result["top1"][i]}

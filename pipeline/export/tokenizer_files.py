@@ -7,7 +7,6 @@ from __future__ import annotations
 from pathlib import Path
 
 from pipeline.tokenize.bpe import EOT_TOKEN
-from pipeline.tokenize.tokenizers import TIKTOKEN_PATTERN
 from pipeline.tokenize.tokenizers import Tokenizer
 
 
@@ -17,11 +16,12 @@ def hf_backend(tok: Tokenizer):
         return tok.impl
     from transformers.convert_slow_tokenizer import TikTokenConverter
 
-    backend = TikTokenConverter(vocab_file=tok.path, pattern=TIKTOKEN_PATTERN,
+    backend = TikTokenConverter(vocab_file=tok.path, pattern=tok.pattern,
                                 extra_special_tokens=[EOT_TOKEN]).converted()
     if backend.token_to_id(EOT_TOKEN) != tok.eos_id:  # ranks with gaps: the converter numbers them otherwise
-        raise ValueError(f"{tok.path}: its ranks are not 0..{tok.eos_id - 1} without gaps, so the converted "
-                         f"tokenizer.json would number tokens otherwise; export with a Hugging Face tokenizer.json")
+        raise ValueError(f"{tok.path}: its ranks are not 0..{tok.eos_id - 1} without gaps (or <|endoftext|> is not "
+                         f"right after the last rank, as in o200k_base), so the converted tokenizer.json would number "
+                         f"tokens otherwise; export with a Hugging Face tokenizer.json")
     return backend
 
 

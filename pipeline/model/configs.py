@@ -3,6 +3,7 @@ below :mod:`pipeline.config`, so reading a recipe needs no torch and the registr
 architecture adds its class here and one line to :data:`MODEL_CONFIGS` (and its ``module:Class`` to the registry)."""
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import math
 from dataclasses import dataclass
@@ -26,6 +27,9 @@ def swiglu_hidden(d_model: int, mlp_ratio: float, multiple: int) -> int:
     """The SwiGLU hidden size: mlp_ratio * d rounded up to a multiple of ``multiple`` (Llama: 8/3 d, multiple 256,
     so 4096 -> 11008)."""
     return multiple * math.ceil(mlp_ratio * d_model / multiple)
+
+
+LLAMA_KEYS = ("n_kv_head", "rope_theta", "mlp_ratio", "mlp_multiple", "qk_norm")  # read by the llama block only
 
 
 @dataclass
@@ -60,8 +64,8 @@ class ModelConfig:
             p.append(f"model.dropout must be in [0, 1), got {self.dropout}")
         p += choice("model.block", self.block, ["gpt2", "llama"])
         if self.block == "gpt2":
-            set_keys = [k for k, off in (("n_kv_head", self.n_kv_head is None), ("mlp_ratio", self.mlp_ratio is None),
-                                         ("qk_norm", not self.qk_norm)) if not off]
+            defaults = {f.name: f.default for f in dataclasses.fields(ModelConfig)}
+            set_keys = [k for k in LLAMA_KEYS if getattr(self, k) != defaults[k]]
             if set_keys:
                 p.append(f"model.{', model.'.join(set_keys)} set with model.block=gpt2: they belong to the llama block "
                          f"(set model.block: llama, or remove them)")

@@ -51,6 +51,13 @@ class CausalSelfAttention(nn.Module):
         self.dropout = dropout
         self.resid_dropout = nn.Dropout(dropout)
 
+    def projections(self, x: torch.Tensor, layout: TokenLayout | None = None) -> tuple[torch.Tensor, ...]:
+        """The queries, keys and values [B, H, T, hd] of ``x`` [B, T, d] (the layout is the llama block's, for its
+        rotary angles; learned positions are already in ``x``)."""
+        B, T, C = x.shape
+        q, k, v = self.c_attn(x).split(C, dim=2)
+        return tuple(t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+
     def forward(self, x: torch.Tensor, kv: "KVSlot | None" = None, key_mask: torch.Tensor | None = None,
                 layout: TokenLayout | None = None) -> torch.Tensor:
         """Causal self-attention (within documents when the ``layout`` has them).
@@ -58,8 +65,7 @@ class CausalSelfAttention(nn.Module):
         earlier tokens and masks left pads): which positions may be attended to; each query also sees itself, so no
         row is empty."""
         B, T, C = x.shape
-        q, k, v = self.c_attn(x).split(C, dim=2)
-        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        q, k, v = self.projections(x)
         if kv is not None:
             k, v, key_mask = kv.update(k, v, key_mask)
         y = causal_attention(q, k, v, self.dropout if self.training else 0.0, key_mask, layout)

@@ -65,8 +65,9 @@ class LlamaAttention(nn.Module):
         self.dropout = dropout
         self.resid_dropout = nn.Dropout(dropout)
 
-    def forward(self, x: torch.Tensor, kv: KVSlot | None = None, key_mask: torch.Tensor | None = None,
-                layout: TokenLayout | None = None) -> torch.Tensor:
+    def projections(self, x: torch.Tensor, layout: TokenLayout) -> tuple[torch.Tensor, ...]:
+        """The queries [B, H, T, hd] and the keys and values [B, H_kv, T, hd] of ``x`` [B, T, d]: QK-normed, then
+        rotated by the layout's angles."""
         if layout is None or layout.rope is None:
             raise ValueError("a llama block needs the forward's TokenLayout with rotary angles "
                              "(TokenLayout.build(..., rope=(head_dim, theta)))")
@@ -77,7 +78,13 @@ class LlamaAttention(nn.Module):
         v = self.v_proj(x).view(B, T, self.n_kv_head, hd).transpose(1, 2)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, layout.rope.cos, layout.rope.sin), apply_rotary(k, layout.rope.cos, layout.rope.sin)
+        return apply_rotary(q, layout.rope.cos, layout.rope.sin), apply_rotary(k, layout.rope.cos, layout.rope.sin), v
+
+    def forward(self, x: torch.Tensor, kv: KVSlot | None = None, key_mask: torch.Tensor | None = None,
+                layout: TokenLayout | None = None) -> torch.Tensor:
+        B, T, _ = x.shape
+        hd = self.head_dim
+        q, k, v = self.projections(x, layout)
         if kv is not None:
             k, v, key_mask = kv.update(k, v, key_mask)
         y = causal_attention(q, k, v, self.dropout if self.training else 0.0, key_mask, layout)

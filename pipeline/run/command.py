@@ -22,6 +22,7 @@ def run_recipe(recipe: str, overrides: list, data: str | None = None) -> None:
     runner for each recipe of its folder."""
     from pipeline.eval.stage import check_inputs
     from pipeline.eval.stage import evaluate
+    from pipeline.eval.stage import results_folder
     from pipeline.tokenize import tokenize
     from pipeline.tokenize.stage import wait_for_dataset
     from pipeline.train.trainer import train
@@ -29,7 +30,9 @@ def run_recipe(recipe: str, overrides: list, data: str | None = None) -> None:
     cfg = load_recipe(recipe, list(overrides), data=data)
     first = int(os.environ.get("RANK", "0")) == 0  # under torchrun: rank 0 tokenizes and evaluates
     if first:
-        check_inputs(cfg, cfg.run_dir / "eval")  # what eval will need, before anything trains
+        ev = cfg.eval  # what eval will need, before anything trains
+        check_inputs(cfg, cfg.run_dir / results_folder(ev.noise, ev.block_size or cfg.model.block_size,
+                                                       cfg.model.block_size))
         tokenize(cfg.data)
     else:  # rank 0 tokenizes (a failure there ends the job); the others wait for its dataset
         wait_for_dataset(cfg.data)

@@ -84,13 +84,15 @@ def content_config(cfg: DataConfig) -> dict:
     d = dataclasses.asdict(cfg)
     for key in ("dataset_dir", "workers", "strict", "mixture", "verify", "document_masking"):
         d.pop(key)
+    if d["tiktoken_pattern"] is None:  # unset: recipes from before the key keep their fingerprint
+        d.pop("tiktoken_pattern")
     return d
 
 
 def data_fingerprint(cfg: DataConfig) -> str:
     d = content_config(cfg)
     if cfg.tokenizer != "gpt2":  # the file's content, not only its path, decides the tokens
-        d["tokenizer_sha256"] = load_tokenizer(cfg.tokenizer).vocab_hash
+        d["tokenizer_sha256"] = load_tokenizer(cfg.tokenizer, cfg.tiktoken_pattern).vocab_hash
     return config_hash(d)
 
 
@@ -123,7 +125,7 @@ class _Job:
         self.out = Path(cfg.dataset_dir)
         self.progress_dir = self.out / PROGRESS
         self.fingerprint = data_fingerprint(cfg)
-        self.tok = load_tokenizer(cfg.tokenizer)  # fails fast on a missing or broken file
+        self.tok = load_tokenizer(cfg.tokenizer, cfg.tiktoken_pattern)  # fails fast on a missing or broken file
         self.ident = self.tok.identity()
         # the workers read the dataset's own copy (made when the job starts), the file the manifest's hash names
         self.tok_spec = "gpt2" if self.tok.kind == "gpt2" else str((self.out / FILES[self.tok.kind]).resolve())
@@ -326,7 +328,7 @@ class _Job:
                     recs = [(r.raw, r.fmt) for r in batch]
                     text_field = self.sources[batch[0].pos[0]].text_field  # batches() keeps one source per batch
                     inflight.append((batch, pool.submit(process_batch, recs, text_field, self.dtype.name,
-                                                            self.tok_spec)))
+                                                            self.tok_spec, self.tok.pattern)))
                     if len(inflight) >= 2 * self.workers + 2:
                         b, fut = inflight.popleft()
                         self.handle(b, fut.result(), bar)

@@ -4,8 +4,9 @@
 One interface for every stage that turns text into ids or back: ``encode`` (no special tokens), ``decode``,
 ``token_bytes``, ``n_vocab``, ``eos_id`` (written after every document), ``bos_id`` (None where the tokenizer has
 none; documents get no BOS, see docs/data.md) and ``identity()`` (what a manifest records). A file tokenizer's
-identity hash is the sha256 of the file. A dataset keeps a copy of the file (:data:`FILES`) and a run folder
-another, so eval, generate, export and lm-eval load the same one after the user's original path moved.
+identity hash is the sha256 of the file (a tiktoken file's identity adds its split pattern). A dataset keeps a copy
+of the file (:data:`FILES`) and a run folder another, so eval, generate, export and lm-eval load the same one after
+the user's original path moved.
 """
 from __future__ import annotations
 
@@ -23,10 +24,98 @@ FILES = {"hf": "tokenizer.json", "tiktoken": "tokenizer.tiktoken"}  # kind -> th
 # Special tokens looked up in a tokenizer.json's added tokens, first found wins; `grt tokenizer train` writes the first.
 EOS_NAMES = (EOT_TOKEN, "<|end_of_text|>", "</s>", "<eos>")
 BOS_NAMES = ("<|startoftext|>", "<|begin_of_text|>", "<s>", "<bos>")
-# A tiktoken rank file holds only the merges: the split pattern is cl100k_base's, and <|endoftext|> is added as EOS
-# right after the last rank (no BOS).
-TIKTOKEN_PATTERN = (r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}++|\p{N}{1,3}+| ?[^\s\p{L}\p{N}]++[\r\n]*+"""
-                    r"""|\s++$|\s*[\r\n]|\s+(?!\S)|\s""")
+# A tiktoken rank file holds only the merges. One of tiktoken's public encodings (known by the file's sha256) brings
+# its own split pattern and <|endoftext|> id; any other file needs data.tiktoken_pattern and gets <|endoftext|> right
+# after its last rank. No BOS either way.
+PATTERN_KEY = "data.tiktoken_pattern"
+
+
+@functools.lru_cache(maxsize=None)
+def known_encodings() -> dict[str, dict]:
+    """tiktoken's registered public encodings that load a rank file: name -> {sha256, pattern, eos_id}.
+
+    Read from tiktoken_ext.openai_public's own constructors, with its loader swapped for one that returns no ranks:
+    tiktoken keeps the expected hashes and most patterns inside those functions (only r50k's is a module constant),
+    and a real call would download the file. An encoding built otherwise (gpt2: data-gym files) is left out."""
+    try:
+        from tiktoken_ext import openai_public as op
+    except ImportError:
+        return {}
+
+    class _NotARankFile(Exception):
+        pass
+
+    seen: list[str] = []
+
+    def rank_file(url, expected_hash=None, **_):
+        seen.append(expected_hash)
+        return {}
+
+    def other_files(*_, **__):
+        raise _NotARankFile
+
+    saved = op.load_tiktoken_bpe, op.data_gym_to_mergeable_bpe_ranks
+    op.load_tiktoken_bpe, op.data_gym_to_mergeable_bpe_ranks = rank_file, other_files
+    out = {}
+    try:
+        for name, make in op.ENCODING_CONSTRUCTORS.items():
+            seen.clear()
+            try:
+                spec = make()
+            except _NotARankFile:
+                continue
+            eos = spec["special_tokens"].get(EOT_TOKEN)
+            if len(seen) == 1 and seen[0] and eos is not None:
+                out[name] = {"sha256": seen[0], "pattern": spec["pat_str"], "eos_id": eos}
+    finally:
+        op.load_tiktoken_bpe, op.data_gym_to_mergeable_bpe_ranks = saved
+    return out
+
+
+def known_encoding(digest: str) -> str | None:
+    """The name of tiktoken's public encoding whose rank file has this sha256 (the first registered), else None."""
+    return next((name for name, e in known_encodings().items() if e["sha256"] == digest), None)
+
+
+def resolve_pattern(pattern: str) -> str:
+    """The regex ``data.tiktoken_pattern`` stands for: a known encoding's name means its pattern."""
+    known = known_encodings().get(pattern)
+    return known["pattern"] if known else pattern
+
+
+def pattern_problems(spec: str, pattern: str | None) -> list[str]:
+    """``data.tiktoken_pattern`` checked against ``data.tokenizer``: only for a tiktoken file, needed for one tiktoken
+    does not know (when the file is there to hash), and a regex tiktoken compiles."""
+    kind = tokenizer_kind(spec)
+    if pattern is None:
+        path = Path(spec).expanduser()
+        if kind == "tiktoken" and path.is_file() and known_encoding(file_sha256(path)) is None:
+            return [_no_pattern(spec)]
+        return []
+    if kind != "tiktoken":
+        return [f"{PATTERN_KEY} is set but data.tokenizer={spec!r} is not a tiktoken BPE file (*.tiktoken); remove "
+                f"{PATTERN_KEY}"]
+    if not pattern:
+        return [f"{PATTERN_KEY} is empty: name an encoding ({', '.join(known_encodings())}) or give a regex"]
+    problem = _regex_problem(resolve_pattern(pattern))
+    return [f"{PATTERN_KEY}={pattern!r} {problem}"] if problem else []
+
+
+def _no_pattern(spec: str) -> str:
+    return (f"data.tokenizer={spec} is not one of tiktoken's public encodings (by sha256), so its split pattern is "
+            f"unknown; set {PATTERN_KEY} to an encoding's name ({', '.join(known_encodings())}) or a regex")
+
+
+def _regex_problem(pattern: str) -> str | None:
+    """Why tiktoken would not compile ``pattern`` (Rust fancy-regex syntax), else None."""
+    import tiktoken
+
+    try:
+        tiktoken.Encoding(name="grt-pattern-check", pat_str=pattern, special_tokens={},
+                          mergeable_ranks={bytes([b]): b for b in range(256)})
+    except ValueError as e:
+        return f"is not a regex tiktoken compiles ({str(e).splitlines()[0][:200]}); fix the regex"
+    return None
 
 
 def tokenizer_kind(spec: str) -> str | None:
@@ -56,9 +145,10 @@ class Tokenizer:
     """Text <-> token ids for one tokenizer; built by :func:`load_tokenizer`."""
 
     def __init__(self, kind: str, path: str | None, vocab_hash: str, n_vocab: int, eos_id: int,
-                 bos_id: int | None, impl):
+                 bos_id: int | None, impl, pattern: str | None = None):
         self.kind, self.path, self.vocab_hash = kind, path, vocab_hash
         self.n_vocab, self.eos_id, self.bos_id, self.impl = n_vocab, eos_id, bos_id, impl
+        self.pattern = pattern  # a tiktoken file's split regex (None for gpt2 and tokenizer.json: theirs is inside)
 
     def encode(self, text: str) -> list[int]:
         """The ids of ``text`` with no special token added, and special-token text read as plain text."""
@@ -81,8 +171,11 @@ class Tokenizer:
         """What a dataset's manifest records; gpt2's is exactly the record older datasets have."""
         if self.kind == GPT2:
             return gpt2_identity()
-        return {"name": self.kind, "vocab_hash": self.vocab_hash, "n_vocab": self.n_vocab, "eot_id": self.eos_id,
-                "bos_id": self.bos_id, "file": FILES[self.kind]}
+        ident = {"name": self.kind, "vocab_hash": self.vocab_hash, "n_vocab": self.n_vocab, "eot_id": self.eos_id,
+                 "bos_id": self.bos_id, "file": FILES[self.kind]}
+        if self.pattern is not None:  # same rank file, other split = other tokens
+            ident["pattern"] = self.pattern
+        return ident
 
 
 @functools.lru_cache(maxsize=None)
@@ -137,8 +230,16 @@ def _load_hf(path: Path, data: bytes, digest: str) -> Tokenizer:
     return Tokenizer("hf", str(path), digest, n_vocab, eos, _special(tok, BOS_NAMES), tok)
 
 
-def _load_tiktoken(path: Path, data: bytes, digest: str) -> Tokenizer:
+def _load_tiktoken(path: Path, data: bytes, digest: str, pattern: str | None) -> Tokenizer:
     import tiktoken
+
+    known = known_encodings().get(known_encoding(digest) or "")
+    if pattern is None and known is None:
+        raise ValueError(_no_pattern(str(path)))
+    pat_str = resolve_pattern(pattern) if pattern is not None else known["pattern"]  # a stated pattern wins
+    problem = _regex_problem(pat_str)
+    if problem:
+        raise ValueError(f"{PATTERN_KEY}={pattern!r} {problem}")
 
     ranks = {}
     for line in data.splitlines():  # load_tiktoken_bpe's parse, on the bytes that were hashed
@@ -149,23 +250,25 @@ def _load_tiktoken(path: Path, data: bytes, digest: str) -> Tokenizer:
             except ValueError:
                 raise ValueError(f"data.tokenizer={path}: line {line[:60]!r} is not 'base64-token rank': not a "
                                  f"tiktoken BPE file") from None
-    eos = max(ranks.values()) + 1
-    enc = tiktoken.Encoding(name=f"grt-{digest[:12]}", pat_str=TIKTOKEN_PATTERN, mergeable_ranks=ranks,
+    eos = known["eos_id"] if known else max(ranks.values()) + 1
+    enc = tiktoken.Encoding(name=f"grt-{digest[:12]}", pat_str=pat_str, mergeable_ranks=ranks,
                             special_tokens={EOT_TOKEN: eos})
-    return Tokenizer("tiktoken", str(path), digest, eos + 1, eos, None, enc)
+    return Tokenizer("tiktoken", str(path), digest, max(eos, max(ranks.values())) + 1, eos, None, enc, pat_str)
 
 
 @functools.lru_cache(maxsize=8)
-def _load_file(path: str, digest: str) -> Tokenizer:
+def _load_file(path: str, digest: str, pattern: str | None) -> Tokenizer:
     data = Path(path).read_bytes()
     if hashlib.sha256(data).hexdigest() != digest:  # changed since it was hashed
-        return load_tokenizer(path)
-    loader = _load_hf if tokenizer_kind(path) == "hf" else _load_tiktoken
-    return loader(Path(path), data, digest)
+        return load_tokenizer(path, pattern)
+    if tokenizer_kind(path) == "hf":
+        return _load_hf(Path(path), data, digest)
+    return _load_tiktoken(Path(path), data, digest, pattern)
 
 
-def load_tokenizer(spec: str) -> Tokenizer:
-    """The tokenizer ``data.tokenizer`` names: ``gpt2`` or a file (cached per path and content)."""
+def load_tokenizer(spec: str, pattern: str | None = None) -> Tokenizer:
+    """The tokenizer ``data.tokenizer`` names: ``gpt2`` or a file (cached per path and content); ``pattern`` is
+    ``data.tiktoken_pattern`` (a tiktoken file's split regex or an encoding's name)."""
     if spec == GPT2:
         from pipeline.tokenize.bpe import gpt2_encoding
 
@@ -178,12 +281,12 @@ def load_tokenizer(spec: str) -> Tokenizer:
     if not path.is_file():
         raise FileNotFoundError(f"data.tokenizer={spec}: no such file (relative paths are taken from the current "
                                 f"folder); fix data.tokenizer")
-    return _load_file(str(path.resolve()), file_sha256(path))
+    return _load_file(str(path.resolve()), file_sha256(path), pattern)
 
 
-def tokenizer_identity(spec: str) -> dict:
+def tokenizer_identity(spec: str, pattern: str | None = None) -> dict:
     """What a dataset made with ``spec`` records about its tokenizer (gpt2's without building its encoding)."""
-    return gpt2_identity() if spec == GPT2 else load_tokenizer(spec).identity()
+    return gpt2_identity() if spec == GPT2 else load_tokenizer(spec, pattern).identity()
 
 
 def keep_copy(tok: Tokenizer, folder: str | Path) -> None:
@@ -202,17 +305,17 @@ def _copy(src: str | Path, dest: Path) -> None:
     tmp.replace(dest)
 
 
-def saved_tokenizer(spec: str, folders: list[str | Path]) -> Tokenizer:
+def saved_tokenizer(spec: str, folders: list[str | Path], pattern: str | None = None) -> Tokenizer:
     """The tokenizer a dataset or checkpoint was made with: the copy in the first of ``folders`` that has one, else
     ``spec`` itself; a one-line error when there is none. The first copy wins: a run folder's is the model's own,
     even after its dataset was re-tokenized with another file (which the dataset check then names)."""
     kind = tokenizer_kind(spec)
     if kind == GPT2 or kind is None:
-        return load_tokenizer(spec)
+        return load_tokenizer(spec, pattern)
     candidates = [Path(f) / FILES[kind] for f in folders] + [Path(spec).expanduser()]
     for path in candidates:
         if path.is_file():
-            return load_tokenizer(str(path))
+            return load_tokenizer(str(path), pattern)
     raise FileNotFoundError(f"the tokenizer this model was trained with (data.tokenizer={spec}) is in none of "
                             f"{', '.join(map(str, candidates))}; put that file back at one of them")
 
@@ -229,9 +332,9 @@ def trained_tokenizer(cfg, checkpoint: str | Path) -> Tokenizer:
     """The tokenizer a checkpoint was trained with: the copy in its run folder (the checkpoint's folder or one of the
     two above it: step folder, checkpoints/, run), else its dataset's, else ``data.tokenizer`` itself."""
     folders = list(Path(checkpoint).resolve().parents)[:3] + [cfg.data.dataset_dir]
-    return saved_tokenizer(cfg.data.tokenizer, folders)
+    return saved_tokenizer(cfg.data.tokenizer, folders, cfg.data.tiktoken_pattern)
 
 
 def dataset_tokenizer(cfg) -> Tokenizer:
     """The tokenizer of a recipe's (first) dataset: the copy it keeps, else ``data.tokenizer`` itself."""
-    return saved_tokenizer(cfg.data.tokenizer, [cfg.data.training_datasets()[0][0]])
+    return saved_tokenizer(cfg.data.tokenizer, [cfg.data.training_datasets()[0][0]], cfg.data.tiktoken_pattern)

@@ -63,12 +63,13 @@ def content_hash(text: str) -> int:
 
 
 @functools.lru_cache(maxsize=None)
-def _tokenizer(spec: str):
-    return load_tokenizer(spec)  # once per process: a file tokenizer is read and hashed once
+def _tokenizer(spec: str, pattern: str | None):
+    return load_tokenizer(spec, pattern)  # once per process: a file tokenizer is read and hashed once
 
 
-def process_batch(records: list[tuple], text_field: str, dtype: str, tokenizer: str = "gpt2") -> BatchResult:
-    tok = _tokenizer(tokenizer)
+def process_batch(records: list[tuple], text_field: str, dtype: str, tokenizer: str = "gpt2",
+                  pattern: str | None = None) -> BatchResult:
+    tok = _tokenizer(tokenizer, pattern)
     eot = tok.eos_id
     kinds, texts = [], []
     fields: list[tuple[str, ...]] = []

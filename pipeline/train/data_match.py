@@ -21,11 +21,11 @@ def check_dataset_matches_model(manifest: dict, cfg: RunConfig, where: str = "th
     if model_tokenizer is not None:
         want = model_tokenizer
     elif spec == "gpt2" or Path(spec).expanduser().is_file():
-        want = tokenizer_identity(spec)
+        want = tokenizer_identity(spec, cfg.data.tiktoken_pattern)
     else:
-        want = saved_tokenizer(spec, cfg.data.training_datasets()[0]).identity()
-    problems = [f"{key}: dataset {tok.get(key)!r} != recipe's {cfg.data.tokenizer} tokenizer {want[key]!r}"
-                for key in ("name", "vocab_hash", "n_vocab", "eot_id") if tok.get(key) != want[key]]
+        want = saved_tokenizer(spec, cfg.data.training_datasets()[0], cfg.data.tiktoken_pattern).identity()
+    problems = [f"{key}: dataset {tok.get(key)!r} != recipe's {cfg.data.tokenizer} tokenizer {want.get(key)!r}"
+                for key in ("name", "vocab_hash", "n_vocab", "eot_id", "pattern") if tok.get(key) != want.get(key)]
     if tok["n_vocab"] > cfg.model.vocab_size:
         problems.append(f"vocabulary size: dataset {tok['n_vocab']} token ids > model.vocab_size="
                         f"{cfg.model.vocab_size}")

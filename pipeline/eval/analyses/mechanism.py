@@ -164,36 +164,51 @@ def projection_analysis(step) -> dict:
 
 # ---------------------------------------------------------------------------------------------- E.9 attention
 @torch.no_grad()
-def attention_probabilities(attn, x: torch.Tensor) -> torch.Tensor:
-    """softmax(q k^T / sqrt(hd) + causal mask) [B, H, T, T] in fp32, from a CausalSelfAttention's own c_attn on its
-    input ``x`` [B, T, d]: the weights scaled_dot_product_attention(is_causal=True) applies to V (no cache)."""
-    B, T, C = x.shape
-    w = attn.c_attn.weight.float()
-    b = attn.c_attn.bias.float() if attn.c_attn.bias is not None else None
-    q, k, _ = F.linear(x.float(), w, b).split(C, dim=2)
-    q, k = (t.view(B, T, attn.n_head, C // attn.n_head).transpose(1, 2) for t in (q, k))
-    scores = q @ k.transpose(-2, -1) / math.sqrt(C // attn.n_head)
-    causal = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
-    return scores.masked_fill(~causal, float("-inf")).softmax(dim=-1)
+def attention_probabilities(attn, x: torch.Tensor, layout=None) -> torch.Tensor:
+    """softmax(q k^T / sqrt(hd) + mask) [B, H, T, T] in fp32, from an attention module's own projections of its input
+    ``x`` [B, T, d] (``attn.projections``: the gpt2 block's c_attn; the llama block's QK-norm and rotary angles from
+    the forward's ``layout``, its key heads shared by n_head / n_kv_head query heads each): the weights its kernel
+    applies to V (no cache). The mask is causal, and within documents when the layout has them."""
+    with torch.autocast(x.device.type, enabled=False):
+        q, k, _ = attn.projections(x.float(), layout)
+    q, k = q.float(), k.float()
+    k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)  # GQA: query head h reads key head h // group
+    scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
+    return scores.masked_fill(~visible_keys(layout, x.shape[1], x.device), float("-inf")).softmax(dim=-1)
 
 
-def attention_row_statistics(probs: torch.Tensor, first_query: int = 1) -> tuple[dict, int]:
-    """Per head, means over batch and query rows t >= ``first_query`` of causal attention ``probs`` [B, H, T, T]:
-    entropy -sum_j p_tj ln p_tj (nats); entropy_normalised = entropy / ln(t+1) (1 = uniform over the prefix);
-    prev_mass p_t,t-1; diag_mass p_tt; distance sum_j p_tj (t - j) (tokens). Row t = 0 has one key (entropy 0,
-    diagonal 1 whatever the head does), so it is left out by default. Returns ({name: [H] float64}, rows/head)."""
+def visible_keys(layout, T: int, device) -> torch.Tensor:
+    """[B|1, 1, T, T] bool: the keys each query attends to (causal; within its document when the layout has
+    documents)."""
+    if layout is not None and layout.docs is not None:
+        return layout.dense_mask()
+    return torch.ones(T, T, dtype=torch.bool, device=device).tril()[None, None]
+
+
+def attention_row_statistics(probs: torch.Tensor, first_query: int = 1,
+                             visible: torch.Tensor | None = None) -> tuple[dict, int]:
+    """Per head, means over batch and query rows of causal attention ``probs`` [B, H, T, T]: entropy
+    -sum_j p_tj ln p_tj (nats); entropy_normalised = entropy / ln(n_t) (n_t the keys row t may see: t + 1 causally,
+    its document's tokens up to t within documents; 1 = uniform over them); prev_mass p_t,t-1; diag_mass p_tt;
+    distance sum_j p_tj (t - j) (tokens). ``visible`` [B|1, 1, T, T]: the mask the probabilities were taken under
+    (default causal). Only rows that see more than ``first_query`` keys count: a row with one key (t = 0, a
+    document's first token) has entropy 0 and diagonal 1 whatever the head does, so it is left out by default.
+    Returns ({name: [H] float64}, rows counted per head)."""
     B, H, T, _ = probs.shape
+    if visible is None:
+        visible = torch.ones(T, T, dtype=torch.bool, device=probs.device).tril()[None, None]
+    n_keys = visible.sum(-1).expand(B, 1, T)  # [B, 1, T]
+    counted = (n_keys > first_query).to(probs.dtype)
+    rows = int(counted.sum().item())
     # per-row sums in the probabilities' dtype (fp32: a [B, H, T, T] fp64 copy would double the peak memory), the
     # means over rows in fp64
-    p = probs[:, :, first_query:, :]
-    t = torch.arange(first_query, T, device=p.device)
-    ent = -torch.special.xlogy(p, p).sum(-1)  # 0 log 0 = 0
-    def gather(offset):
-        return p.gather(-1, (t - offset).clamp_min(0).view(1, 1, -1, 1).expand(B, H, -1, 1))[..., 0]
-    dist = (t[:, None] - torch.arange(T, device=p.device)[None, :]).clamp_min(0).to(p.dtype)
-    stats = {"entropy": ent, "entropy_normalised": ent / torch.log1p(t.to(p.dtype)).clamp_min(1e-12),
-             "prev_mass": gather(1) * (t >= 1), "diag_mass": gather(0), "distance": (p * dist).sum(-1)}
-    return {k: v.double().mean(dim=(0, 2)).cpu() for k, v in stats.items()}, B * len(t)
+    t = torch.arange(T, device=probs.device)
+    ent = -torch.special.xlogy(probs, probs).sum(-1)  # 0 log 0 = 0
+    prev = probs.gather(-1, (t - 1).clamp_min(0).view(1, 1, -1, 1).expand(B, H, -1, 1))[..., 0] * (t >= 1)
+    dist = (t[:, None] - t[None, :]).clamp_min(0).to(probs.dtype)
+    stats = {"entropy": ent, "entropy_normalised": ent / torch.log(n_keys.to(probs.dtype)).clamp_min(1e-12),
+             "prev_mass": prev, "diag_mass": probs.diagonal(dim1=-2, dim2=-1), "distance": (probs * dist).sum(-1)}
+    return {k: ((v * counted).double().sum(dim=(0, 2)) / max(rows, 1)).cpu() for k, v in stats.items()}, rows
 
 
 def classify_head(entropy: float, prev_mass: float, diag_mass: float, thresholds: dict = HEAD_THRESHOLDS) -> str:
@@ -229,7 +244,8 @@ class AttentionStatistics:
         self.calls, self._handles = 0, []
 
     def __enter__(self):
-        self._handles = [a.register_forward_hook(self._hook_for(i)) for i, a in enumerate(self.attns)]
+        self._handles = [a.register_forward_hook(self._hook_for(i), with_kwargs=True)
+                         for i, a in enumerate(self.attns)]
         return self
 
     def __exit__(self, *exc):
@@ -238,8 +254,9 @@ class AttentionStatistics:
         self._handles = []
 
     def _hook_for(self, block: int):
-        def hook(module, args, output):
-            x, kv, key_mask = (tuple(args) + (None, None))[:3]
+        def hook(module, args, kwargs, output):
+            x, kv, key_mask, layout = (tuple(args) + (None,) * 3)[:4]
+            layout = kwargs.get("layout", layout)
             if kv is not None or key_mask is not None:
                 raise ValueError("attention statistics read uncached, unmasked passes only: trace with "
                                  "pipeline.eval.analyses.dynamics.trace_steps (no KV cache, no key mask)")
@@ -248,7 +265,8 @@ class AttentionStatistics:
             if block != expected:
                 raise RuntimeError(f"core block {block} ran where block {expected} of step {step + 1} was expected: "
                                    f"every step must run all {self.n_core} core blocks in order")
-            stats, rows = attention_row_statistics(attention_probabilities(module, x))
+            stats, rows = attention_row_statistics(attention_probabilities(module, x, layout),
+                                                   visible=visible_keys(layout, x.shape[1], x.device))
             for k, v in stats.items():
                 self.sums[k][step, block] += v * rows
             self.rows[step, block] += rows
@@ -266,7 +284,8 @@ class AttentionStatistics:
                                f"n_steps={self.n_steps} on every batch inside the context")
         mean = {k: v / self.rows[..., None] for k, v in self.sums.items()}
         out = {"step": list(range(1, self.n_steps + 1)), "n_core": self.n_core, "n_head": self.n_head,
-               "query_rows": "t >= 1 (row 0 has a single key)", "passes": self.calls // per_pass,
+               "query_rows": "rows with 2 or more keys (row 0, a document's first token: one)",
+               "passes": self.calls // per_pass,
                "thresholds": dict(self.thresholds), "precedence": list(HEAD_CLASSES)}
         out.update({k: v.tolist() for k, v in mean.items()})
         out.update({f"mean_{k}": v.mean(dim=(1, 2)).tolist() for k, v in mean.items()})

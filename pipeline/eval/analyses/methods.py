@@ -23,6 +23,7 @@ import torch
 
 from pipeline.eval.exit_losses import exit_stats
 from pipeline.model import model_class
+from pipeline.model.layers import predicted_weight
 from pipeline.train.data import batch_parts
 
 Q_LEVELS = (0.5, 0.7, 0.9)
@@ -76,7 +77,7 @@ def ouro_report(model, cfg, batches, device) -> dict:
     for batch in batches():
         x, y, docs = batch_parts(batch, device)
         states = dict(model.exit_states(x, loops, **docs))
-        losses, _, _ = exit_stats(states, model.lm_head.weight, y, ref=T)  # [tokens, T]: CE at each loop
+        losses, _, _ = exit_stats(states, predicted_weight(model.lm_head), y, ref=T)  # [tokens, T]: CE at each loop
         losses = losses.cpu()  # beside the exit distribution, read on the host
         p = model.exit_distribution(x, T, **docs).reshape(-1, T).double().cpu()
         p_sum += p.sum(dim=0)

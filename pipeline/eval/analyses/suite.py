@@ -125,10 +125,6 @@ def run_analyses(model, cfg, curve: dict, batches, n_max: int, ref: int, device,
     ev = cfg.eval
     has_gate = getattr(model.recurrent_core(), "gate", None) is not None  # GRT's (its ablations may drop it)
     chosen, skipped = resolve(list(ev.analyses), cfg.model.type, has_gate)
-    if cfg.data.document_masking and "attention" in chosen:  # its probabilities are recomputed with a causal mask
-        chosen.remove("attention")
-        skipped["attention"] = ("recomputes each head's attention over the whole window; with data.document_masking "
-                                "the model attends within documents (not supported yet)")
     exits = curve["exit"]
     trained = type(model).recurrence_depth(cfg.model) or ref
     out: dict = {}
