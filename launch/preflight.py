@@ -1,7 +1,8 @@
 """The preflight: everything about a training plan that can be checked before any process starts, every problem
 listed at once with its fix (``grt launch RECIPE --check`` exits 2 when ``report.ok`` is false).
 
-    batch       train.grad_accum_steps divisible by the world size (the trainer would refuse it at start-up)
+    batch       train.grad_accum_steps divisible by the world size (the trainer would refuse it at start-up), and
+                every grad_accum_steps of train.batch_ramp (its stages listed under "curriculum")
     memory      per rank, for the backend / ZeRO stage / activation checkpointing (launch/memory.py), every model
                 type at the depth that bounds its activations (R, N_r, T loops, Poisson's k grad steps), against
                 the GPU's memory; when it does not fit, the first changes that make it fit
@@ -22,6 +23,9 @@ from launch import memory
 from launch.memory import GiB
 from launch.memory import MemoryPlan
 from launch.memory_rows import activation_depth
+from pipeline.train.curriculum import describe as describe_curriculum
+from pipeline.train.curriculum import tokens_through
+from pipeline.train.curriculum import world_size_problems
 
 ENV_VARS = ("MASTER_ADDR", "MASTER_PORT", "NCCL_SOCKET_IFNAME", "NCCL_IB_DISABLE", "NCCL_IB_HCA", "NCCL_DEBUG",
             "NCCL_P2P_DISABLE", "NCCL_ASYNC_ERROR_HANDLING", "TORCH_NCCL_ASYNC_ERROR_HANDLING", "GLOO_SOCKET_IFNAME",
@@ -74,8 +78,12 @@ def run_preflight(cfg, nodes: int = 1, gpus_per_node: int = 1, gpu_mem_gb: float
         f"micro-batch {tc.micro_batch_size} x {cfg.model.block_size} tokens, grad_accum_steps {tc.grad_accum_steps} "
         f"over all ranks ({tc.grad_accum_steps / world:g} per rank) = {tokens_per_step:,} tokens per step",
         f"dtype {tc.dtype} -> {'bfloat16' if bf16 else 'float32'}; activation_checkpointing "
-        f"{tc.activation_checkpointing}; {tc.max_steps:,} steps = {tc.max_steps * tokens_per_step / 1e9:.3f}B tokens"]))
+        f"{tc.activation_checkpointing}; {tc.max_steps:,} steps = {tokens_through(cfg, tc.max_steps) / 1e9:.3f}B "
+        f"tokens"]))
     _check_batch(cfg, world, rep)
+    if describe_curriculum(cfg, world):  # train.batch_ramp / model.depth_schedule, each stage
+        rep.sections.append(("curriculum", describe_curriculum(cfg, world)))
+    rep.problems += [f"batch: {p}" for p in world_size_problems(tc, world)]
     pc = _check_memory(cfg, world, gpu_mem_gb, bf16, rep)
     if check_data:
         _check_data(cfg, tokens_per_step, rep)
@@ -225,9 +233,10 @@ def _check_data(cfg, tokens_per_step: int, rep: Report) -> None:
         train_tokens += n
         lines.append(f"{d}: {n:,} training tokens; {how}")
     if ok and dirs:
-        need = cfg.train.max_steps * tokens_per_step
+        need = tokens_through(cfg, cfg.train.max_steps)  # train.batch_ramp's stages summed
         epochs = need / max(train_tokens, 1)
-        lines.append(f"{cfg.train.max_steps:,} steps x {tokens_per_step:,} tokens = {need:,} tokens = "
+        per = f"{tokens_per_step:,} tokens" if cfg.train.batch_ramp is None else "the batch ramp's tokens"
+        lines.append(f"{cfg.train.max_steps:,} steps x {per} = {need:,} tokens = "
                      f"{epochs:.2f} epoch(s) of {train_tokens:,}" + (" (repeats data)" if epochs > 1 else ""))
     rep.sections.append(("data", lines))
 
@@ -276,7 +285,8 @@ def _check_disk(cfg, pc, bf16: bool, rep: Report) -> None:
     existing = next((p for p in (out, *out.parents) if p.exists()), Path("/"))
     free = shutil.disk_usage(existing).free
     one = memory.checkpoint_bytes(pc, cfg.train.backend, bf16)
-    n = cfg.train.keep_checkpoints + 1  # the one being written beside the kept ones
+    # the one being written beside the kept ones, and the branch points train.keep_steps never prunes
+    n = cfg.train.keep_checkpoints + 1 + len(cfg.train.keep_steps)
     need = n * one
     rep.sections.append(("checkpoints", [f"{gb(one)} per checkpoint (fp32 weights + AdamW state); "
                                          f"{n} x = {gb(need)} needed, {gb(free)} free under {existing}"]))

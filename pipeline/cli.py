@@ -24,6 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
     from pipeline.studies import command as studies_command
     from pipeline.tokenize import command as tokenize_command
     from pipeline.tracking.sync import add_track_parser
+    from pipeline.train import branch_command
     from pipeline.train import command as train_command
     from pipeline.train.convert import add_checkpoint_parser
 
@@ -34,6 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     train_command.register_info(sub)  # info
     tokenize_command.register(sub)  # tokenize, data, tokenizer
     train_command.register(sub)  # train
+    branch_command.register(sub)  # branch
     run_command.register(sub)  # run
     eval_command.register(sub)  # eval
     studies_command.register(sub)  # compare, sweep, fit-phi, paper-table

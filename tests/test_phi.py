@@ -93,6 +93,8 @@ def test_runs_without_a_fixed_recurrence_count_are_refused(tmp_path):
                         "tokens_trained": 1e5})
     with pytest.raises(ValueError, match=r"depth_sampling=uniform \(r ~ U\{1..4\}\).*depth_sampling=fixed"):
         runs_from_results(results[:1])
-    (run,) = runs_from_results(results[1:])
-    assert (run.r, run.loss, run.tokens) == (4, 4.5, 1e5)
+    (run, branch) = runs_from_results(results[1:] + [{**results[1], "name": "b", "branch_parent": "fixed",
+                                                       "branch_step": 6, "branch_decay_steps": 4}])
+    assert (run.r, run.loss, run.tokens, run.branch_of) == (4, 4.5, 1e5, "")
+    assert branch.branch_of == "fixed@6"  # a decay branch's point is labelled with its stable run and step
     assert (run.n_once, run.n_rec) == parameter_split(from_dict({"model": {**model, "depth_sampling": "fixed"}}).model)

@@ -18,6 +18,9 @@ from pipeline.model.configs import ModelConfig
 from pipeline.model.configs import at_least
 from pipeline.model.configs import choice
 from pipeline.tokenize.tokenizers import pattern_problems
+from pipeline.train.curriculum import batch_ramp_problems
+from pipeline.train.curriculum import depth_schedule_problems
+from pipeline.train.schedule import schedule_problems
 
 
 @dataclass
@@ -116,6 +119,37 @@ class DataConfig:
 
 
 @dataclass
+class SpikeConfig:
+    """``train.spike``: the loss-spike defence (pipeline/train/spike.py). A step's loss above the mean of the last
+    ``window`` good steps' losses by more than ``threshold`` standard deviations is a spike, judged once the window
+    holds ``min_steps`` losses. off (default): nothing is judged | skip: the step's update is not taken | rollback: as
+    skip, and ``rollback_after`` spikes within ``rollback_within`` steps reload the newest checkpoint, the spiky
+    steps' micro-batches skipped | stop: the run stops at the first spike, before its update."""
+
+    action: str = "off"
+    window: int = 128
+    threshold: float = 6.0
+    min_steps: int = 20
+    rollback_after: int = 3
+    rollback_within: int = 100
+
+    def validate(self, backend: str) -> list[str]:
+        p = choice("train.spike.action", self.action, ["off", "skip", "rollback", "stop"])
+        p += at_least(self, "train.spike", ("window", "rollback_after", "rollback_within"), 1)
+        p += at_least(self, "train.spike", ("min_steps",), 2)
+        if self.min_steps > self.window:
+            p.append(f"train.spike.min_steps={self.min_steps} is more than train.spike.window={self.window}: the "
+                     f"window never holds that many losses; lower min_steps or raise window")
+        if not self.threshold > 0:
+            p.append(f"train.spike.threshold must be > 0 (standard deviations), got {self.threshold}")
+        if backend == "deepspeed" and self.action in ("skip", "rollback"):
+            p.append(f"train.spike.action={self.action} with train.backend=deepspeed: the DeepSpeed engine has "
+                     f"counted the step's accumulation window before the loss is known and cannot drop the update; "
+                     f"use train.spike.action=stop, or train.backend=ddp / fsdp")
+        return p
+
+
+@dataclass
 class TrainConfig:
     backend: str = "single"  # single | ddp | fsdp | deepspeed (launch the last three with torchrun)
     zero_stage: int = 1  # deepspeed: ZeRO stage 0..3
@@ -136,15 +170,29 @@ class TrainConfig:
     lr: float = 6e-4
     min_lr: float = 6e-5
     warmup_steps: int = 2000
+    # cosine | wsd | constant | linear, each after the same warm-up (formulas: pipeline/train/schedule.py); wsd
+    # decays over the last decay_steps (or decay_fraction of max_steps) with decay_shape linear|cosine|sqrt|1-sqrt
+    lr_schedule: str = "cosine"
+    decay_fraction: Optional[float] = None
+    decay_steps: Optional[int] = None
+    decay_shape: str = "linear"
     weight_decay: float = 0.1
     beta1: float = 0.9
     beta2: float = 0.95
     grad_clip: float = 1.0
+    # auxiliary z-loss: + z_loss * mean over predicted tokens of logsumexp(logits)^2, in training forwards only
+    # (pipeline/model/z_loss.py; PaLM used 1e-4); 0: off, the loss and its code path unchanged
+    z_loss: float = 0.0
     log_interval: int = 10
     eval_interval: int = 500
     eval_batches: int = 20
+    # the loss at every exit and val_bpb at each eval, eval_curve.png (pipeline/train/in_loop_eval.py); off: as before
+    eval_exits: bool = False
+    eval_budget: Optional[float] = None  # its share of training time (eval batches cut to fit); null: no cap
     checkpoint_interval: int = 1000
     keep_checkpoints: int = 3
+    keep_steps: list = field(default_factory=list)  # steps always checkpointed and never pruned (branch points)
+    branch_from: Optional[str] = None  # a checkpoint folder a new run starts from exactly (`grt branch` sets it)
     # auto: sharded for fsdp and deepspeed, full for single and ddp. full: one state.pt gathered on rank 0 (loads
     # anywhere); sharded: torch.distributed.checkpoint, every rank writes its own shards (deepspeed: its own format)
     checkpoint_format: str = "auto"
@@ -155,10 +203,23 @@ class TrainConfig:
     # (seed, step, micro-step index) as the paper's Algorithm 1 draws r inside every forward. Every rank at the same
     # micro-step runs the same r (FSDP / ZeRO-3 stay in step), so which samples meet which r depends on world size.
     depth_granularity: str = "step"
+    # tokens per step ramped over steps: [[until_step, grad_accum_steps], ...] (steps 1..until_step use that many
+    # micro-batches over all ranks, the steps after the last stage grad_accum_steps); null: no ramp
+    # (pipeline/train/curriculum.py)
+    batch_ramp: Optional[list] = None
+    spike: SpikeConfig = field(default_factory=SpikeConfig)  # the loss-spike defence (off by default)
 
     def validate(self) -> list[str]:
         p = choice("train.backend", self.backend, ["single", "ddp", "fsdp", "deepspeed"])
+        if self.eval_budget is not None and not 0 < self.eval_budget <= 1:
+            p.append(f"train.eval_budget must be in (0, 1] (a share of training time) or null, got {self.eval_budget}")
+        if self.eval_exits and (self.backend == "fsdp" or (self.backend == "deepspeed" and self.zero_stage == 3)):
+            p.append("train.eval_exits=true scores the unwrapped model, which FSDP / ZeRO-3 shard: set it false "
+                     "and run `grt eval` on the checkpoints")
         p += choice("train.depth_granularity", self.depth_granularity, ["step", "micro_step"])
+        p += batch_ramp_problems(self)
+        p += schedule_problems(self)
+        p += self.spike.validate(self.backend)
         p += choice("train.activation_checkpointing", self.activation_checkpointing, ["none", "core_step", "blocks"])
         p += choice("train.fused_ops", self.fused_ops, ["auto", "reference", "triton"])
         if not 0 <= self.zero_stage <= 3:
@@ -198,6 +259,8 @@ class TrainConfig:
             p.append(f"train.lr={self.lr} / train.min_lr={self.min_lr}: need 0 <= min_lr <= lr and lr > 0")
         if self.grad_clip < 0:
             p.append(f"train.grad_clip must be >= 0 (0 turns clipping off), got {self.grad_clip}")
+        if not self.z_loss >= 0:
+            p.append(f"train.z_loss must be >= 0 (0 turns the z-loss off; PaLM used 1e-4), got {self.z_loss}")
         if self.weight_decay < 0:
             p.append(f"train.weight_decay must be >= 0, got {self.weight_decay}")
         p += [f"train.{n} must be in [0, 1), got {getattr(self, n)}" for n in ("beta1", "beta2")
@@ -375,6 +438,7 @@ class RunConfig:
                      f"{self.model.block_size}: the gpt2 block's learned positions stop there (the llama block's "
                      f"rotary ones do not); set them to at most {self.model.block_size}")
         p += self.model.validate() + self.data.validate() + self.train.validate() + self.eval.validate()
+        p += depth_schedule_problems(self.model)
         p += self.tracking.validate()
         return p
 

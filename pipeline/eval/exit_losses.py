@@ -12,6 +12,7 @@ import torch
 
 from pipeline.infer.precision import exact_fp32
 from pipeline.infer.precision import inference_precision
+from pipeline.model import exits_are_layers
 from pipeline.model import model_class
 from pipeline.model.layers import predicted_weight
 from pipeline.train.data import batch_parts
@@ -146,6 +147,16 @@ def exit_curve(model, batches, exits: list[int], ref: int, device: torch.device,
         result["token_losses"] = torch.cat(per_token)
         result["token_ids"] = torch.cat(ids)
     return result
+
+
+def exit_range(cfg) -> list[int]:
+    """The exits the curve scores: 0..eval.max_steps (default 2R, capped by the deepest) for recurrent types, every
+    layer for dense."""
+    recurrent = not exits_are_layers(cfg.model.type)
+    trained_depth = model_class(cfg.model.type).recurrence_depth(cfg.model)
+    deepest = cfg.model.max_depth()  # dense: its layers; MoR / RRT: their last recursion; others: unbounded
+    n_max = cfg.eval.max_steps or min(2 * trained_depth if recurrent else deepest, deepest or 10**9)
+    return list(range(0 if recurrent else 1, n_max + 1))
 
 
 def exit_flops(cfg, exits: list[int]) -> list[int]:

@@ -14,6 +14,8 @@ from pipeline.config import TrackingConfig
 from pipeline.config.recipe_files import sqlite_file
 from pipeline.tracking import reading_store
 from pipeline.tracking import resolve_uri
+from pipeline.train.branch import family_of
+from pipeline.train.branch import folder_family
 
 
 def read_exits(run_dir: Path) -> dict | None:
@@ -165,6 +167,7 @@ def _from_mlflow(tracking: TrackingConfig, names: list[str], experiments: list[s
                 res = json.loads(Path(client.download_artifacts(run.info.run_id, "eval/exits.json", tmp)).read_text())
             res["name"] = run.info.run_name  # its name now (renamed in the UI: not the recipe's any more)
             res["mlflow_run_id"] = run.info.run_id
+            res.update(family_of(run.data.tags))  # a decay branch: its parent and step (grt branch)
             res["experiment"] = next(e for e, i in zip(experiments, ids) if i == run.info.experiment_id)
             out.append(res)
     return out
@@ -185,6 +188,7 @@ def collect(runs: list[str], tracking: TrackingConfig, experiments: list[str] | 
             names.append(r)
         else:
             _folder_tags(r, path, res, tags)
+            res.update(folder_family(path))
             folders[r] = res
     names = list(dict.fromkeys(names))
     if runs and not names:

@@ -28,6 +28,7 @@ from pipeline.eval.analyses.suite import print_analyses
 from pipeline.eval.analyses.suite import run_analyses
 from pipeline.eval.exit_losses import exit_curve
 from pipeline.eval.exit_losses import exit_flops
+from pipeline.eval.exit_losses import exit_range
 from pipeline.eval.results import collect
 from pipeline.eval.results import headline
 from pipeline.infer.precision import inference_precision
@@ -87,9 +88,8 @@ def evaluate(path: str | Path, overrides: list[str] | None = None, quiet: bool =
     recurrent = not exits_are_layers(cfg.model.type)
     trained_depth = model_class(cfg.model.type).recurrence_depth(cfg.model)
     ref = model_class(cfg.model.type).full_depth(cfg.model)
-    deepest = cfg.model.max_depth()  # dense: its layers; MoR / RRT: their last recursion; others: unbounded
-    n_max = ev.max_steps or min(2 * trained_depth if recurrent else deepest, deepest or 10**9)
-    exits = list(range(0 if recurrent else 1, n_max + 1))
+    exits = exit_range(cfg)  # the in-loop eval (train.eval_exits) scores the same
+    n_max = exits[-1]
     val = TokenShards(cfg.data.training_datasets()[0][0], "val")
     check_dataset_matches_model(val.manifest, cfg, f"the dataset at {val.dir}", trained_tokenizer(cfg, ckpt).identity())
     seq_len = ev.block_size or cfg.model.block_size  # eval.block_size: score at another context than trained

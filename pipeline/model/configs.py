@@ -54,6 +54,9 @@ class ModelConfig:
     # the embedding/head rows are vocab_size rounded up to a multiple of this (128: tensor-core friendly); the padding
     # rows are never predicted (the head reads only the first vocab_size rows). 1: no padding, as GPT-2 and the paper
     vocab_multiple: int = 1
+    # the sampled depth's bound grown over training, [[until_step, depth], ...] (grt, poisson; the others refuse it:
+    # pipeline/train/curriculum.py); null: model.n_recurrence at every step
+    depth_schedule: Optional[list] = None
 
     def validate(self) -> list[str]:
         p = at_least(self, "model", ("vocab_size", "block_size", "d_model", "n_head", "vocab_multiple",

@@ -266,18 +266,19 @@ class GRT(RecurrentLM):
                 yield r, self.readout(h, layout=layout)
 
     # --------------------------------------------------------------------------------------------- accounting
-    def train_depth(self, seed: int, step: int, micro_step: int | None = None) -> int:
+    def train_depth(self, seed: int, step: int, micro_step: int | None = None, depth: int | None = None) -> int:
         """r ~ U{1..R} (paper §3.4) from a generator seeded by (seed, step), or by (seed, step, micro_step) with
         train.depth_granularity=micro_step (Algorithm 1 draws r in every forward), never the global RNG: every
         rank and every resume draw the same r (sharded backends need all ranks to run the same number of steps).
         Per step, every micro-batch of the step shares r and a world-size change keeps the same depths; per
         micro-step, which samples meet which r depends on the world size (see the trainer)."""
+        bound = self.cfg.n_recurrence if depth is None else depth  # model.depth_schedule's bound of this step
         if self.cfg.depth_sampling == "fixed":
-            return self.cfg.n_recurrence
+            return bound
         # the per-step key is the one checkpoints and tests were made with: never change it
         key = derive_seed("depth", seed, step, *(() if micro_step is None else (micro_step,)))
         gen = torch.Generator().manual_seed(key)
-        return int(torch.randint(1, self.cfg.n_recurrence + 1, (1,), generator=gen).item())
+        return int(torch.randint(1, bound + 1, (1,), generator=gen).item())
 
     @staticmethod
     def step_overhead_flops(cfg: GRTConfig) -> int:

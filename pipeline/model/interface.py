@@ -48,7 +48,8 @@ class LanguageModel(nn.Module, metaclass=abc.ABCMeta):
 
     @abc.abstractmethod
     def train_depth(self, seed: int, step: int, micro_step: int | None = None) -> int | None:
-        """The depth of a training forward at ``step`` (None: the model runs its own), the same on every rank."""
+        """The depth of a training forward at ``step`` (None: the model runs its own), the same on every rank. The
+        types with a sampled depth also take ``depth=``, model.depth_schedule's bound (pipeline/train/curriculum.py)."""
 
     def recurrent_core(self) -> nn.Module | None:
         """The module run once per recurrence step (its looped blocks in ``.blocks``; the run-once blocks are

@@ -10,6 +10,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ops import linear_cross_entropy
+from pipeline.model import z_loss
 from pipeline.model.attention import causal_attention
 from pipeline.model.configs import ModelConfig
 from pipeline.model.kv_cache import KVCache  # noqa: F401 (re-exported)
@@ -249,15 +250,21 @@ def predicted_weight(lm_head: nn.Linear) -> torch.Tensor:
 
 def head_output(lm_head: nn.Linear, h: torch.Tensor, targets: torch.Tensor | None):
     """The LM head on final-LN'd states: (logits, None) without targets; with them (None, mean next-token
-    cross-entropy in nats), fused and chunked so the full logits are never materialised (-1 targets ignored).
-    A padded vocabulary (``model.vocab_multiple``) predicts only its first ``lm_head.n_vocab`` rows: the padding
-    never gets a logit or a share of the softmax. The logits come from calling the module (hooks on it see them:
-    :func:`pipeline.infer.generate.last_position_head`)."""
+    cross-entropy in nats, + train.z_loss's term in training), fused and chunked so the full logits are never
+    materialised (-1 targets ignored). A padded vocabulary (``model.vocab_multiple``) predicts only its first
+    ``lm_head.n_vocab`` rows: the padding never gets a logit or a share of the softmax. The logits come from calling
+    the module (hooks on it see them: :func:`pipeline.infer.generate.last_position_head`)."""
     if targets is None:
         logits = lm_head(h)
         n_vocab = getattr(lm_head, "n_vocab", lm_head.out_features)
         return (logits if n_vocab == lm_head.out_features else logits[..., :n_vocab]), None
-    return None, linear_cross_entropy(h, predicted_weight(lm_head), targets)
+    coef = z_loss.coefficient(lm_head)  # train.z_loss, training forwards only (pipeline/model/z_loss.py)
+    if not coef:
+        return None, linear_cross_entropy(h, predicted_weight(lm_head), targets)
+    z = z_loss.new_buffer(targets, h)
+    loss = linear_cross_entropy(h, predicted_weight(lm_head), targets, z_loss=coef, z_out=z)
+    z_loss.record(lm_head, coef, z, targets)
+    return None, loss
 
 
 def block_flops_per_token(cfg: ModelConfig, seq_len: int) -> int:

@@ -10,8 +10,8 @@ Training loss (``self.training``), per token, then the mean over the tokens with
     L = sum_t p_t CE_t - beta H(p),   H(p) = -sum_t p_t log p_t,   CE_t = CE(logits_t, target)
 the expectation of the per-loop losses (paper's Stage I objective), not the loss of the p-weighted logits. Each
 CE_t comes from the fused chunked head (``ops.linear_cross_entropy(..., reduction="none")``), so the T heads never
-hold a [tokens, vocab] tensor. Evaluation: the plain next-token loss at depth ``n_steps`` (default T); any depth
-can be run, T + k extrapolates.
+hold a [tokens, vocab] tensor; ``train.z_loss`` c makes each CE_t + c lse_t^2 (pipeline/model/z_loss.py).
+Evaluation: the plain next-token loss at depth ``n_steps`` (default T); any depth can be run, T + k extrapolates.
 
 Choices where the issue is silent, following Ouro's released modeling code (``OuroModel.forward``:
 ``hidden_states = self.norm(hidden_states)`` inside the loop, ``early_exit_gate = nn.Linear(hidden_size, 1)``):
@@ -31,6 +31,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ops import linear_cross_entropy
+from pipeline.model import z_loss
 from pipeline.model.configs import OuroConfig
 from pipeline.model.fp32_linear import FP32Linear
 from pipeline.model.interface import LanguageModel
@@ -118,18 +119,25 @@ class Ouro(LanguageModel):
                              f"None for T)")
         if n == 0:
             h = self.recur(h, run_blocks=False)
-        losses, gate_logits = [], []
+        losses, gate_logits, zs = [], [], []
         head_weight = predicted_weight(self.lm_head)  # a padded vocabulary's rows are never predicted
+        coef = z_loss.coefficient(self.lm_head) if per_loop_loss else 0.0  # train.z_loss: in every CE_t
         for t in range(1, n + 1):
             h = self.recur(h, at_step(cache, t - 1), layout=layout)
             if per_loop_loss:
-                losses.append(linear_cross_entropy(h, head_weight, targets, reduction="none"))
+                zs.append(z_loss.new_buffer(targets, h) if coef else None)
+                losses.append(linear_cross_entropy(h, head_weight, targets, reduction="none", z_loss=coef,
+                                                   z_out=zs[-1]))
                 if t < n:
                     gate_logits.append(self._gate_logit(h))
         if cache is not None:
             cache.advance()
         if per_loop_loss:
-            return None, self.expected_loss(torch.stack(losses, dim=-1), gate_logits, targets)
+            loss = self.expected_loss(torch.stack(losses, dim=-1), gate_logits, targets)
+            if coef:  # the logged term: c lse_t^2 weighted by p_t like the CE_t it joins
+                p = exit_log_probs(torch.stack(gate_logits, dim=-1).to(zs[0].dtype)).exp() if gate_logits else None
+                z_loss.record(self.lm_head, coef, torch.stack(zs, dim=-1), targets, p)
+            return None, loss
         return head_output(self.lm_head, h, targets)
 
     def expected_loss(self, losses: torch.Tensor, gate_logits: list[torch.Tensor],

@@ -155,7 +155,7 @@ class PoissonDepth(RecurrentLM):
             if e in wanted:
                 yield e, self.readout(h, layout=layout)
 
-    def train_depth(self, seed: int, step: int, micro_step: int | None = None) -> int:
+    def train_depth(self, seed: int, step: int, micro_step: int | None = None, depth: int | None = None) -> int:
         """p = Poisson(LogNormal(log r - sigma^2/2, sigma)) + 1 from a generator seeded by sha256(seed, step), or by
         sha256(seed, step, micro_step) with train.depth_granularity=micro_step, never the global RNG: every rank and
         every resume of a (micro-)step runs the same p (Huginn seeds its sampler by the step for the same reason,
@@ -164,7 +164,8 @@ class PoissonDepth(RecurrentLM):
         # the per-step key is the one checkpoints and tests were made with: never change it
         key = derive_seed("poisson-depth", seed, step, *(() if micro_step is None else (micro_step,)))
         gen = torch.Generator().manual_seed(key)
-        r, sigma = float(self.cfg.n_recurrence), self.cfg.depth_sigma
+        # depth: model.depth_schedule's mean for this step (Huginn grows the mean recurrence in the same way)
+        r, sigma = float(self.cfg.n_recurrence if depth is None else depth), self.cfg.depth_sigma
         rate = torch.full((1,), r, dtype=torch.float64)
         if sigma > 0:  # log_normal_ needs std > 0; sigma = 0 is a plain Poisson(r) + 1
             rate.log_normal_(math.log(r) - sigma * sigma / 2, sigma, generator=gen)

@@ -48,6 +48,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ops import linear_cross_entropy
+from pipeline.model import z_loss
 from pipeline.model.attention import causal_attention
 from pipeline.model.configs import RecurTraceConfig
 from pipeline.model.fp32_linear import FP32Linear
@@ -331,7 +332,12 @@ class RecurTrace(RecurrentLM):
             # the LM loss's fused head also hands over each token's CE: the oracle's last row, one head pass fewer
             last = torch.empty(targets.shape, dtype=torch.promote_types(head_in.dtype, torch.float32),
                                device=targets.device)
-            loss = linear_cross_entropy(head_in, predicted_weight(self.lm_head), targets, token_losses=last)
+            coef = z_loss.coefficient(self.lm_head)  # train.z_loss: on the LM loss only (the oracle keeps the CE)
+            z = z_loss.new_buffer(targets, head_in) if coef else None
+            loss = linear_cross_entropy(head_in, predicted_weight(self.lm_head), targets, token_losses=last,
+                                        z_loss=coef, z_out=z)
+            if coef:
+                z_loss.record(self.lm_head, coef, z, targets)
             return None, loss + cfg.halt_coef * self.halting_loss(states, targets, last, layout)
         if n_steps is not None:
             h = h0

@@ -113,6 +113,11 @@ def cmd_fit_phi(args) -> int:
     lo, hi = fit.ci.get("phi", (float("nan"), float("nan")))
     print(f"phi = {fit.params['phi']:.3f} (95% bootstrap CI {lo:.3f} to {hi:.3f}, {fit.n_boot} refits) over "
           f"{len(runs)} runs, r in {sorted({x.r for x in runs})}")
+    branches = [x for x in runs if x.branch_of]
+    if branches:  # budgets of one stable run share its trajectory: points of the law, but not independent ones
+        stable = {x.branch_of.rsplit("@", 1)[0] for x in branches}
+        listed = ", ".join(f"{x.name} ({x.branch_of})" for x in branches)
+        print(f"  {len(branches)} of them decay branches (grt branch) of {len(stable)} stable run(s): {listed}")
     print("  " + ", ".join(f"{k} {v:.4g}" for k, v in fit.params.items() if k != "phi"))
     print(f"  saved {out / 'phi.json'}, {out / 'phi.png'}")
     return 0

@@ -18,6 +18,7 @@ from pipeline.config.recipe_files import folder_problem
 from pipeline.eval.analyses.plots import plot_exit_curves
 from pipeline.eval.results import collect
 from pipeline.eval.results import headline
+from pipeline.train.branch import family_lines
 
 FORMATS = ("table", "markdown", "csv", "json")
 
@@ -101,10 +102,12 @@ def format_results(results: list[dict], fmt: str = "table") -> str:
     if fmt == "json":
         keep = ("name", "type", "shorthand", "params", "step", "tokens_trained", "trained_depth", "val_loss", "exit",
                 "loss", "kl", "top1", "exit_flops", "gate_mean", "train_tokens_per_s", "method", "downstream",
-                "mlflow_run_id", "experiment")
+                "mlflow_run_id", "experiment", "branch_parent", "branch_step", "branch_decay_steps")
         return json.dumps([{k: r[k] for k in keep if k in r} for r in results], indent=2)
     head, rows, notes = exit_table(results)
     parts = [render(head, rows, fmt, notes)]
+    if family_lines(results):  # decay branches (grt branch) and the runs they branch from
+        parts.append("\n".join(family_lines(results)))
     down = downstream_table(results)
     if down:
         head, rows, notes = down

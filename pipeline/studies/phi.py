@@ -32,6 +32,7 @@ class Run:
     r: int
     tokens: float
     name: str = ""
+    branch_of: str = ""  # a decay branch (grt branch): "STABLE@STEP", one of several budgets of one stable run
 
 
 @dataclass
@@ -163,7 +164,9 @@ def runs_from_results(results: list[dict], with_embeddings: bool = False) -> lis
                              f"at; train the sweep with model.depth_sampling=fixed (recipes/sweeps/phi/ does)")
         n_once, n_rec = parameter_split(cfg.model, with_embeddings)
         r = cfg.model.n_recurrence if n_rec else 1  # n_rec > 0: a looped (GRT) model
-        rows.append(Run(float(res["val_loss"]), n_once, n_rec, int(r), float(res["tokens_trained"]), res["name"]))
+        branch_of = f"{res['branch_parent']}@{res['branch_step']}" if res.get("branch_parent") else ""
+        rows.append(Run(float(res["val_loss"]), n_once, n_rec, int(r), float(res["tokens_trained"]), res["name"],
+                        branch_of))
     return rows
 
 

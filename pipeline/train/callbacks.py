@@ -33,6 +33,8 @@ def format_step_line(m: dict, max_steps: int) -> str:
     """One fixed-format line: step | loss | grad_norm | lr | r | tok/s | flops/tok | mfu | mem."""
     parts = [f"step {m['step']:>{len(str(max_steps))}}/{max_steps}", f"loss {m['loss']:.4f}",
              f"grad_norm {m['grad_norm']:.3f}", f"lr {m['lr']:.2e}"]
+    if m.get("z_loss") is not None:  # train.z_loss on: its term, apart from the loss
+        parts.insert(2, f"z_loss {m['z_loss']:.2e}")
     if m.get("depth") is not None:
         parts.append(f"r {m['depth']:.2f}")
     parts.append(f"tok/s {m['tokens_per_s']:,.0f}")
@@ -98,7 +100,8 @@ class TrackerCallback(Callback):
     metrics, artifacts and (with tracking.system_metrics) system metrics to the tracker."""
 
     STEP_KEYS = ("loss", "grad_norm", "lr", "depth", "tokens_per_s", "flops_per_token", "tokens_seen", "mem_gb",
-                 "mfu", "skipped_steps")
+                 "mfu", "skipped_steps", "grad_accum_steps", "depth_bound",  # these two: curricula only
+                 "z_loss")  # train.z_loss only
 
     def __init__(self, tracker):
         self.tracker = tracker
@@ -127,4 +130,7 @@ class TrackerCallback(Callback):
                                      metrics["step"])
 
     def on_eval(self, trainer, metrics: dict) -> None:
-        self.tracker.log_metrics({"val_loss": metrics["val_loss"]}, metrics["step"])
+        extra = {f"val_loss_exit_{e}": v for e, v in zip(metrics.get("exit", []), metrics.get("exit_loss", []))}
+        if metrics.get("val_bpb") is not None:
+            extra["val_bpb"] = metrics["val_bpb"]  # train.eval_exits: empty when off, the call as before
+        self.tracker.log_metrics({"val_loss": metrics["val_loss"], **extra}, metrics["step"])

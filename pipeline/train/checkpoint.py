@@ -274,8 +274,9 @@ def set_aside(folder: Path) -> Path:
     return target
 
 
-def publish(ckpt_root: Path, step: int, recipe_yaml: str, keep: int) -> Path:
-    """Sync the staged folder and index it, rename it to ``step_XXXXXXXX`` and drop all but the last ``keep``."""
+def publish(ckpt_root: Path, step: int, recipe_yaml: str, keep: int, keep_steps=()) -> Path:
+    """Sync the staged folder and index it, rename it to ``step_XXXXXXXX`` and drop all but the last ``keep``; the
+    steps in ``keep_steps`` (train.keep_steps: branch points) are never dropped, nor counted in ``keep``."""
     tmp, final = staging_dir(ckpt_root, step), ckpt_root / f"step_{step:08d}"
     (tmp / "recipe.yaml").write_text(recipe_yaml)
     write_index(tmp)
@@ -284,7 +285,8 @@ def publish(ckpt_root: Path, step: int, recipe_yaml: str, keep: int) -> Path:
     os.replace(tmp, final)
     _fsync_dir(ckpt_root)
     # the last `keep` up to this one (a newer folder, never made by this run, is not this save's to prune)
-    for old in [c for c in list_checkpoints(ckpt_root) if int(STEP_DIR.match(c.name).group(1)) <= step][:-keep]:
+    steps = {c: int(STEP_DIR.match(c.name).group(1)) for c in list_checkpoints(ckpt_root)}
+    for old in [c for c, n in steps.items() if n <= step and n not in keep_steps][:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     for stale in ckpt_root.glob(".tmp_step_*"):  # saves a kill interrupted: never loadable, only taking space
         shutil.rmtree(stale, ignore_errors=True)

@@ -13,6 +13,7 @@ from pathlib import Path
 from pipeline.config.loading import with_current_keys
 from pipeline.config.recipe_files import changed_keys
 from pipeline.runtime.exit_status import DiskFull
+from pipeline.train.branch import branch_point
 from pipeline.train.checkpoint import INDEX
 from pipeline.train.checkpoint import disk_full_cause
 from pipeline.train.checkpoint import disk_full_message
@@ -23,6 +24,7 @@ from pipeline.train.checkpoint import prepare_staging
 from pipeline.train.checkpoint import publish
 from pipeline.train.checkpoint import set_aside_names
 from pipeline.train.checkpoint import staging_dir
+from pipeline.train.curriculum import tokens_through
 from pipeline.train.run_folder import cut_metrics_back
 from pipeline.train.run_folder import mark_stopped
 from pipeline.train.run_folder import newest_intact_checkpoint
@@ -35,7 +37,8 @@ def model_config_diff(saved_recipe: dict, now: dict) -> list[str]:
     today's keys: an old run's ``train.bptt_k`` is its ``model.backprop_steps``) that differs from ``now``, this
     launch's model section."""
     saved = with_current_keys(saved_recipe).get("model") or {}
-    return [f"model.{k}: checkpoint {saved.get(k)!r} != recipe {now.get(k)!r}" for k in changed_keys(saved, now)]
+    return [f"model.{k}: checkpoint {saved.get(k)!r} != recipe {now.get(k)!r}" for k in changed_keys(saved, now)
+            if k != "depth_schedule"]  # a training curriculum, not the weights: it may change on a resume
 
 
 def attempt(fn, *args) -> tuple:
@@ -118,7 +121,9 @@ class Checkpointer:
     def resume(self, trainer) -> None:
         """Load the newest intact checkpoint into the trainer (model, optimizer, loader, step counters), or start the
         run folder's metrics afresh when there is none; refuse what cannot be resumed, saying why and what to do."""
-        if not list_checkpoints(self.dir):
+        # a branch (train.branch_from) before its first save starts from its parent's checkpoint, resumed as any
+        branching = self.cfg.train.branch_from is not None and not list_checkpoints(self.dir)
+        if not list_checkpoints(self.dir) and not branching:
             aside = set_aside_names(self.dir)
             if aside:  # a relaunch after "every checkpoint is damaged" must not quietly start over
                 raise ValueError(f"{self.dir} holds only checkpoints set aside as damaged ("
@@ -126,10 +131,11 @@ class Checkpointer:
                                  f"under another name=, or remove {self.dir} to train this one from scratch")
             start_fresh_metrics(self.run_dir, self.backend.is_main)
             return
-        if self.cfg.train.resume == "never":
+        if self.cfg.train.resume == "never" and not branching:
             raise FileExistsError(f"{self.run_dir} already has checkpoints and train.resume=never; choose another "
                                   f"name= or delete {self.dir}")
-        newest, unindexed = newest_intact_checkpoint(self.dir, self.run_dir, self.backend)
+        newest, unindexed = ((branch_point(self.cfg, self.backend), []) if branching else
+                             newest_intact_checkpoint(self.dir, self.run_dir, self.backend))
         if newest is None and unindexed:
             raise ValueError(f"no checkpoint under {self.dir} can be verified: {len(unindexed)} have no "
                              f"{INDEX} ({', '.join(c.name for c in unindexed)}; see the warnings). If they were "
@@ -149,7 +155,9 @@ class Checkpointer:
         trainer.loader.load_state_dict(state["loader"])
         trainer.step = state["step"]
         trainer.skipped_steps = state.get("skipped_steps", 0)
-        trainer.tracker_run_id = state.get("mlflow_run_id")
+        trainer.spike.load_state_dict(state.get("spike"))
+        trainer.tokens_seen = state.get("tokens_seen", tokens_through(self.cfg, trainer.step))  # (older: none)
+        trainer.tracker_run_id = None if branching else state.get("mlflow_run_id")  # a branch: not its parent's
         saved_recipe = state["recipe"]
         del state  # the checkpoint's tensors (a mapping, or whole copies) go now; what stays is the loaded state
         self._report_resume(newest, time.perf_counter() - t0, rss)
@@ -159,6 +167,18 @@ class Checkpointer:
                 print(f"note: the recipe changed since the checkpoint at step {trainer.step} "
                       f"({newest / 'recipe.yaml'}): {'; '.join(changes)}", file=sys.stderr, flush=True)
             cut_metrics_back(self.run_dir, trainer.step)
+
+    def reload(self, trainer, folder: Path) -> None:
+        """train.spike's rollback: load ``folder``, a checkpoint of this run, into the running trainer (as
+        :meth:`resume` does, the metrics history kept: it records the rollback)."""
+        self.finish(trainer)  # a save in flight is published first
+        state = load_checkpoint(folder, map_location="cpu", verify=False)
+        self.backend.load_model_optimizer(trainer.model, trainer.optimizer, folder, state)
+        trainer.loader.load_state_dict(state["loader"])
+        trainer.step = state["step"]
+        trainer.skipped_steps = state.get("skipped_steps", 0)
+        trainer.tokens_seen = state.get("tokens_seen", tokens_through(self.cfg, trainer.step))
+        trainer.spike.rolled_back(state.get("spike"))
 
     def _report_resume(self, folder: Path, seconds: float, rss: PeakRSS) -> None:
         """One line on rank 0: how long the load took and the host memory it took on the ranks, summed: the rise of
@@ -192,7 +212,10 @@ class Checkpointer:
         tmp = staging_dir(self.dir, step)
         state = {"step": step, "loader": trainer.loader.state_dict(), "recipe": self.cfg.to_dict(),
                  "mlflow_run_id": trainer.tracker_run_id, "info": trainer.info,
-                 "skipped_steps": trainer.skipped_steps, "world_size": be.world_size}
+                 "skipped_steps": trainer.skipped_steps, "world_size": be.world_size,
+                 "tokens_seen": trainer.tokens_seen}
+        if trainer.spike.on:  # train.spike's window (off: the checkpoint as before)
+            state["spike"] = trainer.spike.state_dict()
         for cb in trainer.callbacks:
             cb.on_save_start(trainer, step, tmp)
         pending, error = attempt(be.save_model_optimizer, trainer.model, trainer.optimizer, tmp, state)
@@ -226,7 +249,8 @@ class Checkpointer:
                 self._agree(step, attempt(hash_share, tmp, be.rank, be.world_size)[1])
             path = self.folder(step)
             if be.is_main:
-                path, error = attempt(publish, self.dir, step, self.cfg.to_yaml(), self.cfg.train.keep_checkpoints)
+                path, error = attempt(publish, self.dir, step, self.cfg.to_yaml(), self.cfg.train.keep_checkpoints,
+                                      set(self.cfg.train.keep_steps))
             self._agree(step, error)
         finally:
             for cb in trainer.callbacks:

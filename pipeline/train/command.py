@@ -22,9 +22,11 @@ def register(sub) -> None:
 
 def cmd_info(args) -> int:
     from pipeline.model import model_info
+    from pipeline.train import curriculum
 
     cfg = recipe_of(args)
     info = model_info(cfg.model)
+    info.update(curriculum.info(cfg))  # train.batch_ramp / model.depth_schedule, only when set
     if cfg.data.document_masking:  # said only when on: the paper's recipes print what they always did
         info["document_masking"] = True
     if args.json:
@@ -50,6 +52,8 @@ def cmd_info(args) -> int:
               "full causal window, as unmasked")
     for note in info["flops_notes"]:
         print(f"  note: {note}")
+    for line in curriculum.describe(cfg):
+        print(f"  {line}")
     return 0
 
 

@@ -121,11 +121,18 @@ class _FillingFile:
 # ... or make the loss of these steps NaN (comma-separated), to exercise the non-finite path
 FAULT_NAN_STEPS = {int(x) for x in os.environ.get("GRT_FAULT_NAN_STEPS", "").split(",") if x.strip()}
 
+# ... or multiply the loss of these steps by FACTOR (a finite spike, every rank): "STEP[,STEP...]:FACTOR". Once per
+# step in a process: after a spike rollback the replayed step is clean
+_fault_spike = os.environ.get("GRT_FAULT_SPIKE", "").partition(":")
+FAULT_SPIKE_STEPS = {int(x) for x in _fault_spike[0].split(",") if x.strip()}
+FAULT_SPIKE_FACTOR = float(_fault_spike[2] or 1)
+
 
 def requested() -> bool:
     """Whether any fault is set (step 0, the default, never comes: the first step the loop sees is 1)."""
     return bool(FAULT_KILL_AT_STEP or FAULT_RAISE_AT_STEP[0] or FAULT_KILL_IN_SAVE or FAULT_SIGNAL_AT_STEP[0]
-                or FAULT_SLOW_SAVE_S or FAULT_DISK_FULL[0] or FAULT_NAN_STEPS)
+                or FAULT_SLOW_SAVE_S or FAULT_DISK_FULL[0] or FAULT_NAN_STEPS
+                or FAULT_SPIKE_STEPS)
 
 
 class FaultInjection(Callback):
@@ -136,9 +143,14 @@ class FaultInjection(Callback):
     def __init__(self):
         self._filling_disk = None  # the GRT_FAULT_DISK_FULL hook while its save is in flight
         self._slowed = None
+        self._spiked = {}  # GRT_FAULT_SPIKE: micro-steps spiked per step (all of one step's, once)
 
     def on_loss(self, trainer, loss):
-        return loss * float("nan") if trainer.step + 1 in FAULT_NAN_STEPS else loss
+        step = trainer.step + 1
+        if step in FAULT_SPIKE_STEPS and self._spiked.get(step, 0) < trainer.accum:
+            self._spiked[step] = self._spiked.get(step, 0) + 1
+            return loss * FAULT_SPIKE_FACTOR
+        return loss * float("nan") if step in FAULT_NAN_STEPS else loss
 
     def on_step_checked(self, trainer, metrics: dict) -> None:
         step, rank = trainer.step, trainer.backend.rank

@@ -7,6 +7,7 @@ import torch
 import torch.nn as nn
 
 from pipeline.config import TrainConfig
+from pipeline.train.schedule import scheduled_lr
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
@@ -29,7 +30,10 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig, device_type: str) -> tor
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
-    """Linear warm-up from 0 over ``warmup_steps``, then cosine from ``lr`` to ``min_lr`` at ``max_steps``."""
+    """Linear warm-up from 0 over ``warmup_steps``, then cosine from ``lr`` to ``min_lr`` at ``max_steps``; the
+    other ``train.lr_schedule`` choices are :func:`pipeline.train.schedule.scheduled_lr`'s."""
+    if cfg.lr_schedule != "cosine":
+        return scheduled_lr(step, cfg)
     if step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / (cfg.warmup_steps + 1)
     if step >= cfg.max_steps:

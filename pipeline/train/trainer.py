@@ -28,12 +28,14 @@ from ops import set_backend as set_fused_ops_backend
 from pipeline.config import RunConfig
 from pipeline.model import model_class
 from pipeline.model import model_info
+from pipeline.model.z_loss import ZLossMeter
 from pipeline.runtime.exit_status import DiskFull
 from pipeline.runtime.exit_status import TrainingStopped
 from pipeline.runtime.locking import FolderLock
 from pipeline.runtime.seeds import derive_seed
 from pipeline.tokenize.tokenizers import carry_tokenizer
 from pipeline.tracking import open_training_tracker
+from pipeline.train import curriculum
 from pipeline.train import faults
 from pipeline.train.backend import build_backend
 from pipeline.train.callbacks import Callback
@@ -48,6 +50,7 @@ from pipeline.train.data import check_shards
 from pipeline.train.data import check_windows
 from pipeline.train.data import validation_batches
 from pipeline.train.data_match import check_dataset_matches_model
+from pipeline.train.in_loop_eval import InLoopEval
 from pipeline.train.materialize import build_for_training
 from pipeline.train.mfu import device_peak_flops
 from pipeline.train.mfu import peak_flops_report
@@ -59,6 +62,7 @@ from pipeline.train.run_folder import clear_stopped
 from pipeline.train.run_folder import lock_run_folder
 from pipeline.train.run_folder import mark_stopped
 from pipeline.train.run_folder import release_run_folder
+from pipeline.train.spike import SpikeGuard
 
 
 def step_seed(seed: int, step: int, block: int) -> int:
@@ -106,6 +110,8 @@ class Trainer:
         if tc.grad_accum_steps % self.backend.world_size:
             raise ValueError(f"train.grad_accum_steps={tc.grad_accum_steps} counts micro-batches over all "
                              f"{self.backend.world_size} ranks and must be a multiple of the world size")
+        for problem in curriculum.world_size_problems(tc, self.backend.world_size):
+            raise ValueError(problem)
         self.run_dir = cfg.run_dir
 
         dirs, weights = cfg.data.training_datasets()
@@ -128,11 +134,15 @@ class Trainer:
         set_fused_ops_backend(tc.fused_ops)
         # built, sharded, materialised and initialised; unwrapped: train_depth and friends stay reachable
         self.raw_model = build_for_training(cfg, self.backend)
+        self.in_loop_eval = InLoopEval(self) if tc.eval_exits else None
+        self.z_loss = ZLossMeter(self.raw_model, tc.z_loss)  # train.z_loss: its coefficient set on the LM head
         self.model, self.optimizer = self.backend.setup(
             self.raw_model, lambda m: build_optimizer(m, tc, self.device.type))
         self.step = 0
         self.bad_steps = 0
         self.skipped_steps = 0
+        self.spike = SpikeGuard(tc.spike)  # train.spike: the window of recent losses (restored by the resume)
+        self.tokens_seen = 0  # summed per step: train.batch_ramp changes a step's tokens
         self.tracker_run_id = None
         self._stop_signal, self._stop_time = None, 0.0  # the first SIGTERM/SIGINT received, and when
         self._stopped_together = False  # every rank stopped at the same step boundary (an agreed signal stop)
@@ -210,7 +220,8 @@ class Trainer:
                     for cb in self.callbacks:
                         cb.on_eval(self, last_eval)
                 self.checkpointer.poll(self)
-                if self.step % tc.checkpoint_interval == 0 or self.step == tc.max_steps or stop:
+                if (self.step % tc.checkpoint_interval == 0 or self.step == tc.max_steps or stop
+                        or self.step in tc.keep_steps):  # (train.keep_steps: branch points, saved off the interval)
                     self.checkpointer.save(self)
                 if stop:
                     self.checkpointer.finish(self)
@@ -320,8 +331,11 @@ class Trainer:
             total += loss.item() * b.targets.numel()
             count += b.targets.numel()
         self.model.train()
-        return {"step": self.step, "val_loss": self.backend.reduce_mean(total / count), "val_tokens": count,
-                "val_depth": depth}
+        result = {"step": self.step, "val_loss": self.backend.reduce_mean(total / count), "val_tokens": count,
+                  "val_depth": depth}
+        if self.in_loop_eval is not None:  # train.eval_exits: the loss at every exit and bpb (in_loop_eval.py)
+            result.update(self.in_loop_eval.run(self))
+        return result
 
     def _validate_or_save(self) -> dict:
         """Validation that fails (bad data) never costs the finished steps: they are saved before the error rises."""
@@ -341,15 +355,19 @@ class Trainer:
         need all ranks to call the same modules). The price: rank r's micro-step m holds global micro-batch
         m * world + r, so the depth a given sample meets depends on the world size (per step it does not)."""
         seed, step = self.cfg.seed, self.step
+        bound = curriculum.depth_kwargs(self.cfg.model, step + 1)  # model.depth_schedule (none: {})
         if self.cfg.train.depth_granularity == "micro_step":
-            return [self.raw_model.train_depth(seed, step, micro) for micro in range(self.accum)]
-        return [self.raw_model.train_depth(seed, step)] * self.accum
+            return [self.raw_model.train_depth(seed, step, micro, **bound) for micro in range(self.accum)]
+        return [self.raw_model.train_depth(seed, step, **bound)] * self.accum
 
     def train_step(self) -> dict:
         tc, be = self.cfg.train, self.backend
         t0 = time.perf_counter()
         lr = lr_at(self.step, tc)
         be.set_lr(self.optimizer, lr)
+        ga = curriculum.accum_at(tc, self.step + 1)  # train.batch_ramp: this step's micro-batches over all ranks
+        self.accum, self.tokens_per_step = ga // be.world_size, tc.micro_batch_size * ga * self.seq_len
+        self.tokens_seen += self.tokens_per_step
         # the micro-steps' losses summed on the device (fp64: the sum a Python float would give), read once per step:
         # no host sync per micro-step, so the host queues the next micro-batch while the device computes. The sum is
         # finite exactly when every loss is; a non-finite one still runs its backward (every rank does the same
@@ -357,6 +375,8 @@ class Trainer:
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         depths = self.step_depths()
         for micro, depth in enumerate(depths):
+            if self.spike.pending:  # after a spike rollback: the spiky steps' micro-batches are not trained again
+                self.spike.skip_spiky_data(self)
             b = self.loader.next_batch().to(self.device, non_blocking=True)
             torch.manual_seed(step_seed(self.cfg.seed, self.step, micro * be.world_size + be.rank))
             last = micro == self.accum - 1
@@ -366,7 +386,7 @@ class Trainer:
                 for cb in self.callbacks:
                     loss = cb.on_loss(self, loss)
                 be.backward(self.model, loss, self.accum, last)
-            loss_sum += loss.detach()
+            loss_sum += self.z_loss.objective(loss)  # the loss without train.z_loss's term (logged apart)
         # one read of the sum, one all-reduce: a non-finite loss on any rank makes the mean non-finite on every rank,
         # so all take the same decision
         mean_loss = be.reduce_mean(loss_sum.item() / self.accum)
@@ -375,7 +395,8 @@ class Trainer:
             raise BadStepsError(f"non-finite loss at step {self.step + 1}: the {be.name} backend cannot skip a step "
                                 f"once its engine has counted the accumulation window, so the run stops here, "
                                 f"before the update. Last good checkpoint: {self.checkpointer.newest() or 'none'}")
-        if finite:
+        spike = self.spike.decide(self, mean_loss) if finite and self.spike.on else None  # the same on every rank
+        if finite and spike is None:
             grad_norm = be.step(self.model, self.optimizer)  # non-finite norms: the step is not taken
             finite = math.isfinite(grad_norm) or not be.can_skip
         else:
@@ -397,11 +418,15 @@ class Trainer:
         metrics = {"step": self.step, "loss": mean_loss, "grad_norm": grad_norm,
                    "lr": lr, "depth": sum(depths) / len(depths) if per_micro else depths[0],
                    "tokens_per_s": self.tokens_per_step / dt, "step_time_s": dt, "mfu": mfu,
-                   "flops_per_token": flops, "tokens_seen": self.step * self.tokens_per_step,
+                   "flops_per_token": flops, "tokens_seen": self.tokens_seen,
                    "epoch": self.loader.epoch, "finite": finite,
                    "mem_gb": torch.cuda.max_memory_allocated() / 2**30 if self.device.type == "cuda" else None}
+        metrics.update(curriculum.step_metrics(self.cfg, self.step))  # grad_accum_steps / depth_bound, when scheduled
+        metrics.update(self.z_loss.step_metrics(be, self.accum))  # {"z_loss": ...} when train.z_loss is on
         if per_micro:
             metrics["depths"] = depths
+        if spike is not None:  # its update was not taken: said and logged; stop raises, rollback reloads
+            return self.spike.acted(self, spike, mean_loss, metrics)
         return metrics
 
     # --------------------------------------------------------------------------------- signals and failures
