@@ -71,6 +71,12 @@ def test_schedule_keys_are_validated():
     assert "is not one of" in problems(lr_schedule="wsd", decay_steps=5, decay_shape="square")[0]
     assert "keep_steps" in problems(keep_steps=[0])[0]
     assert not problems(lr_schedule="wsd", decay_fraction=0.2, keep_steps=[1000])
+    # keys that would do nothing: a shape without wsd, a kept step the run never reaches, a budget without eval_exits
+    assert "only applies" in problems(decay_shape="sqrt")[0]
+    assert "only applies" in problems(lr_schedule="linear", decay_shape="cosine")[0]
+    assert "past train.max_steps" in problems(max_steps=100, keep_steps=[50, 500])[0]
+    assert any("eval_budget only applies" in p for p in TrainConfig(eval_budget=0.1).validate())
+    assert not TrainConfig(eval_budget=0.1, eval_exits=True).validate()
 
 
 class WeightsAtStart(Callback):
@@ -153,3 +159,23 @@ def test_stable_run_branches_and_resumes_exactly(tmp_path, corpus, capsys):
         {"name": branch.name, "type": "grt", "shorthand": "x", "params": 1, "step": 8, "tokens_trained": 1,
          **folder_family(branch)})])
     assert "family of stable: stable-decay4@4 (from step 4, 4 decay steps)" in text
+
+
+def test_branch_overrides_are_honoured_or_refused(tmp_path, corpus):
+    """A branch's own train.keep_steps override is kept (the parent's branch points are not), and
+    model.depth_schedule, a curriculum rather than the weights, may change; other model keys are refused."""
+    import yaml
+
+    recipe = tiny_recipe(tmp_path, corpus)
+    recipe["train"].update(max_steps=10, warmup_steps=1, lr_schedule="wsd", decay_steps=2, keep_steps=[4, 6])
+    step = tmp_path / "runs" / "tiny" / "checkpoints" / "step_00000004"
+    step.mkdir(parents=True)
+    (step / "state.pt").write_bytes(b"")  # listed as published; branch_recipe reads only its recipe
+    (step / "recipe.yaml").write_text(yaml.safe_dump(recipe))
+    run = str(tmp_path / "runs" / "tiny")
+    assert branch_recipe(run, 4, 3, "b1", []).train.keep_steps == []
+    assert branch_recipe(run, 4, 3, "b2", ["train.keep_steps=[5]"]).train.keep_steps == [5]
+    cfg = branch_recipe(run, 4, 3, "b3", ["model.depth_schedule=[[5,2]]"])
+    assert cfg.model.depth_schedule == [[5, 2]] and cfg.train.max_steps == 7
+    with pytest.raises(ValueError, match="model cannot change"):
+        branch_recipe(run, 4, 3, "b4", ["model.d_model=64"])

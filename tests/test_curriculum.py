@@ -109,7 +109,7 @@ def step_rows(run_dir):
     return {r["step"]: r for r in metrics_rows(run_dir) if "loss" in r}
 
 
-def test_ramp_and_depth_schedule_train_by_hand_and_resume_exactly(tmp_path, corpus, monkeypatch):
+def test_ramp_and_depth_schedule_train_by_hand_and_resume_exactly(tmp_path, corpus, monkeypatch, capsys):
     """Both curricula in one 5-step run: what each step ran, by hand; SIGTERM after step 3 (the last step of a ramp
     stage) and a resume at step 4 give the uninterrupted run's losses and tokens exactly. Seed 1: its draws at the
     steps next to the depth stage's end differ from 1, so a schedule read one step off shows."""
@@ -140,6 +140,8 @@ def test_ramp_and_depth_schedule_train_by_hand_and_resume_exactly(tmp_path, corp
         assert row["depth"] == depths[step - 1]
         assert row["tokens_seen"] == sum(tokens[:step])
         assert row["tokens_per_s"] * row["step_time_s"] == pytest.approx(tokens[step - 1], rel=1e-9)
+    start = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("train: "))
+    assert f"; {tokens[0]:,} (ramped to {4 * 2 * 32:,} by train.batch_ramp) tokens/step;" in start  # step 1's
     # the loader handed out exactly the ramp's micro-batches: sum(accum) x micro_batch_size samples
     assert trainer.loader.counts == [sum(ACCUM_BY_HAND) * 2]
 
@@ -158,6 +160,13 @@ def test_ramp_and_depth_schedule_train_by_hand_and_resume_exactly(tmp_path, corp
         assert again[step]["tokens_seen"] == full[step]["tokens_seen"]
     state = torch.load(stopped.run_dir / "checkpoints" / "step_00000005" / "state.pt", weights_only=False)
     assert state["tokens_seen"] == sum(tokens)
+    # grt eval reports the tokens the ramp trained, not max_steps x the recipe's final accumulation (what grt compare
+    # and grt fit-phi put on their token axis)
+    from pipeline.eval.stage import evaluate
+
+    result = evaluate(stopped.run_dir, ["eval.diagnostics=false", "eval.val_tokens=64", "eval.analyses=[]"],
+                      quiet=True)
+    assert result["tokens_trained"] == sum(tokens) != 5 * 4 * 2 * 32
 
 
 def test_info_and_preflight_list_the_stages(tmp_path, corpus, capsys):

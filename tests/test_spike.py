@@ -115,6 +115,7 @@ def test_skip_equals_dropping_the_update_and_resumes_with_its_window(tokenized, 
     assert {s: got[s] for s in got if s != 6} == {s: want[s] for s in want if s != 6}  # bit for bit
     spikes = [r for r in rows(cfg) if "spike" in r]
     assert [(r["step"], r["spike"]) for r in spikes] == [(6, "skip")]
+    assert [r["skipped_steps"] for r in rows(cfg) if r.get("step") in (5, 6, 8) and "loss" in r] == [0, 1, 1]
     w, v = weights(cfg), weights(ref)
     assert all(torch.equal(w[k], v[k]) for k in v)
 

@@ -213,6 +213,9 @@ class TrainConfig:
         p = choice("train.backend", self.backend, ["single", "ddp", "fsdp", "deepspeed"])
         if self.eval_budget is not None and not 0 < self.eval_budget <= 1:
             p.append(f"train.eval_budget must be in (0, 1] (a share of training time) or null, got {self.eval_budget}")
+        if self.eval_budget is not None and not self.eval_exits:
+            p.append("train.eval_budget only applies to train.eval_exits=true (the in-loop exit eval); remove it or "
+                     "set eval_exits: true")
         if self.eval_exits and (self.backend == "fsdp" or (self.backend == "deepspeed" and self.zero_stage == 3)):
             p.append("train.eval_exits=true scores the unwrapped model, which FSDP / ZeRO-3 shard: set it false "
                      "and run `grt eval` on the checkpoints")

@@ -40,6 +40,7 @@ from pipeline.tokenize.tokenizers import trained_tokenizer
 from pipeline.tracking import open_tracker
 from pipeline.train.backend import autocast_dtype
 from pipeline.train.checkpoint import list_checkpoints
+from pipeline.train.curriculum import tokens_through
 from pipeline.train.data import TokenShards
 from pipeline.train.data import check_shards
 from pipeline.train.data import validation_batches
@@ -117,8 +118,8 @@ def evaluate(path: str | Path, overrides: list[str] | None = None, quiet: bool =
     result = {
         "name": cfg.name, "type": cfg.model.type, "shorthand": info["shorthand"], "params": info["params"],
         "checkpoint": str(ckpt), "step": state["step"],
-        "tokens_trained": state["step"] * cfg.train.micro_batch_size * cfg.train.grad_accum_steps
-        * cfg.model.block_size,
+        # the checkpoint's own count (train.batch_ramp changes a step's tokens); older checkpoints: the recipe's
+        "tokens_trained": state.get("tokens_seen") or tokens_through(cfg, state["step"]),
         "trained_depth": trained_depth, "ref_exit": ref, "val_tokens": curve["val_tokens"], "block_size": seq_len,
         "exit": pick("exit"), "loss": pick("loss"), "kl": pick("kl"), "top1": pick("top1"),
         "dataset_dir": cfg.data.dataset_dir, "noise": ev.noise, "seconds": None,

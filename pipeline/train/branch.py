@@ -52,7 +52,8 @@ def branch_recipe(run: str, step: int, decay_steps: int, name: str | None, overr
     if decay_steps < 1:
         raise ValueError(f"--decay-steps must be >= 1, got {decay_steps}")
     keys = [o.split("=", 1)[0].strip() for o in overrides]
-    refused = [k for k in keys if k == "model" or k.startswith("model.")]
+    # model.depth_schedule is a curriculum, not the weights (resume allows changing it too)
+    refused = [k for k in keys if (k == "model" or k.startswith("model.")) and k != "model.depth_schedule"]
     if refused:
         raise ValueError(f"grt branch: {', '.join(refused)}: a branch continues its parent's weights, so the model "
                          f"cannot change; drop the model override")
@@ -69,6 +70,7 @@ def branch_recipe(run: str, step: int, decay_steps: int, name: str | None, overr
         raise ValueError(f"grt branch: step {step} of {parent} is not in a stable phase ({why}); branch a run "
                          f"trained with train.lr_schedule wsd or constant, at a step after its warm-up and before "
                          f"its own decay")
+    data.setdefault("train", {})["keep_steps"] = []  # the parent's branch points are its own; an override sets new
     data, problems = apply_overrides(data, list(overrides))
     if problems:
         raise RecipeError(problems, "grt branch")
@@ -81,7 +83,7 @@ def branch_recipe(run: str, step: int, decay_steps: int, name: str | None, overr
     tags = {"branch.parent": parent, "branch.step": step, "branch.decay_steps": decay_steps,
             **({"branch.parent_run_id": parent_id, "mlflow.parentRunId": parent_id} if parent_id else {})}
     data["name"] = name
-    data["train"].update(lr_schedule="wsd", decay_steps=decay_steps, decay_fraction=None, keep_steps=[],
+    data["train"].update(lr_schedule="wsd", decay_steps=decay_steps, decay_fraction=None,
                          max_steps=step + decay_steps, branch_from=str(folder.resolve()))
     data.setdefault("tracking", {})
     data["tracking"]["tags"] = {**(data["tracking"].get("tags") or {}), **tags}

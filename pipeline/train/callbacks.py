@@ -8,6 +8,8 @@ import json
 import sys
 from pathlib import Path
 
+from pipeline.train.curriculum import accum_at
+
 
 class Callback:
     """The loop's hooks, in the order they run; each does nothing here."""
@@ -47,6 +49,14 @@ def format_step_line(m: dict, max_steps: int) -> str:
     return " | ".join(parts)
 
 
+def next_step_tokens(trainer) -> str:
+    """The tokens of the step about to train, and under train.batch_ramp those it ramps to."""
+    tc = trainer.cfg.train
+    now = tc.micro_batch_size * accum_at(tc, trainer.step + 1) * trainer.seq_len
+    final = tc.micro_batch_size * tc.grad_accum_steps * trainer.seq_len
+    return f"{now:,}" if now == final else f"{now:,} (ramped to {final:,} by train.batch_ramp)"
+
+
 class ConsoleLogger(Callback):
     """Prints the step line every ``log_interval`` steps and appends every step's metrics to metrics.jsonl."""
 
@@ -64,7 +74,7 @@ class ConsoleLogger(Callback):
         print(f"train: {trainer.cfg.name} ({trainer.info['shorthand']}, {trainer.info['params'] / 1e6:.2f}M params) "
               f"{where} on {trainer.backend.name} x{trainer.backend.world_size} {trainer.device} "
               f"{str(trainer.amp_dtype).replace('torch.', '')}; "
-              f"{trainer.tokens_per_step:,} tokens/step; run folder {trainer.run_dir}", file=self.stream, flush=True)
+              f"{next_step_tokens(trainer)} tokens/step; run folder {trainer.run_dir}", file=self.stream, flush=True)
 
     def on_step_end(self, trainer, metrics: dict) -> None:
         self._file.write(json.dumps(metrics) + "\n")

@@ -11,7 +11,8 @@ that, with W = warmup_steps, M = max_steps:
 - ``wsd`` (warmup-stable-decay): ``lr`` until the decay starts at step M - D, then
   ``min_lr + (lr - min_lr) * f(x)`` with ``x = (step - (M - D) + 1) / D`` in (0, 1]: the D decay steps all train
   below ``lr`` and the last (step M - 1) trains at exactly ``min_lr``. D is ``train.decay_steps``, or
-  ``round(train.decay_fraction * M)``. ``train.decay_shape`` is f:
+  ``round(train.decay_fraction * M)`` (Python's round: a half goes to the even number, 0.25 x 10 -> 2, 0.25 x 30
+  -> 8). ``train.decay_shape`` is f:
 
   - ``linear``:  f(x) = 1 - x
   - ``cosine``:  f(x) = 0.5 * (1 + cos(pi * x))
@@ -80,9 +81,15 @@ def schedule_problems(tc) -> list[str]:
     elif given:
         p.append(f"train.{given[0]} only applies to train.lr_schedule=wsd (got lr_schedule={tc.lr_schedule}); "
                  f"remove it or set lr_schedule: wsd")
+    if tc.lr_schedule != "wsd" and tc.decay_shape != "linear" and tc.decay_shape in SHAPES:
+        p.append(f"train.decay_shape={tc.decay_shape} only applies to train.lr_schedule=wsd (got lr_schedule="
+                 f"{tc.lr_schedule}); remove it or set lr_schedule: wsd")
     keep = tc.keep_steps
     if not isinstance(keep, list) or not all(type(s) is int and s >= 1 for s in keep):
         p.append(f"train.keep_steps must be a list of steps >= 1 (e.g. [1000, 2000]), got {keep!r}")
+    elif any(s > tc.max_steps for s in keep):
+        p.append(f"train.keep_steps {[s for s in keep if s > tc.max_steps]} lie past train.max_steps="
+                 f"{tc.max_steps}: the run never reaches them; drop them or raise max_steps")
     if tc.branch_from is not None and not isinstance(tc.branch_from, str):
         p.append(f"train.branch_from must be a checkpoint folder (a path), got {tc.branch_from!r}")
     return p

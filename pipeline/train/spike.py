@@ -153,8 +153,10 @@ class SpikeGuard:
                                  f"and std {std:.4f} (train.spike.threshold={self.cfg.threshold:g}); stopped before "
                                  f"its update. Newest checkpoint: {trainer.checkpointer.newest() or 'none'}")
         metrics.update(event)
+        trainer.skipped_steps += 1  # its update was not taken: counted with the non-finite ones (skipped_steps)
         if decision != "rollback":
             return metrics
+        trainer.checkpointer.finish(trainer)  # a save in flight is published (or pruned) before the newest is chosen
         folder = trainer.checkpointer.newest()
         if folder is None:
             raise LossSpikeError(f"loss spike rollback at step {step}: no checkpoint written yet to roll back to; "
