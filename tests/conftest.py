@@ -80,9 +80,30 @@ def make_corpus(root: Path, n_docs: int = 60) -> Path:
     return root
 
 
+SESSION_DIRS: set[Path] = set()  # scratch folders that session fixtures made: kept until the session ends
+
+
 @pytest.fixture(scope="session")
 def corpus(tmp_path_factory) -> Path:
-    return make_corpus(tmp_path_factory.mktemp("corpus"))
+    root = tmp_path_factory.mktemp("corpus")
+    SESSION_DIRS.add(root)
+    return make_corpus(root)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def module_scratch_is_removed(request, tmp_path_factory):
+    """The folders a module's fixtures made under pytest's scratch root are removed when the module ends with no
+    failure (pytest.ini's tmp_path_retention_policy does this for each test's tmp_path). A full run kept ~7 GB of
+    checkpoints otherwise, enough to fill a CI machine's disk."""
+    root = tmp_path_factory.getbasetemp()
+    before, failed = set(root.iterdir()), request.session.testsfailed
+    yield
+    if request.session.testsfailed == failed:
+        for path in set(root.iterdir()) - before - SESSION_DIRS:
+            if path.is_symlink():  # pytest's "<name>current" link to the newest folder of that name
+                path.unlink()
+            else:
+                shutil.rmtree(path, ignore_errors=True)
 
 
 def tiny_recipe(tmp: Path, corpus: Path, model: dict | None = None, **sections) -> dict:
