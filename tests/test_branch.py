@@ -119,7 +119,9 @@ def test_stable_run_branches_and_resumes_exactly(tmp_path, corpus, capsys):
     assert {k: cfg.tracking.tags[k] for k in ("branch.parent", "branch.step", "branch.decay_steps")} == {
         "branch.parent": "stable", "branch.step": 4, "branch.decay_steps": 4}
     start = WeightsAtStart()
+    capsys.readouterr()
     Trainer(cfg, callbacks=[ConsoleLogger(1), start]).fit()
+    assert "note: " not in capsys.readouterr().err  # what grt branch sets is no recipe change to warn of
     saved = torch.load(stable / "checkpoints" / "step_00000004" / "state.pt", map_location="cpu")["model"]
     assert start.step == 4 and start.weights.keys() == saved.keys()
     assert all(torch.equal(start.weights[k], saved[k]) for k in saved)
@@ -142,10 +144,12 @@ def test_stable_run_branches_and_resumes_exactly(tmp_path, corpus, capsys):
 
     # `grt branch` killed (kill -9) after step 7, its checkpoint at 6; the relaunch gives the uninterrupted losses
     cmd = [sys.executable, "-m", "pipeline.cli", "branch", str(stable), "--at", "4", "--decay-steps", "4", "--name",
-           "killed"]
+           "killed", "train.eval_batches=3"]
     killed = subprocess.run(cmd, cwd=REPO, env=subprocess_env(GRT_FAULT_KILL_AT_STEP="7"), capture_output=True,
                             text=True, timeout=300)
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    note = next(x for x in killed.stderr.splitlines() if x.startswith("note: the branch's recipe differs"))
+    assert note.endswith("recipe.yaml): train.eval_batches: 2 -> 3"), note  # the override only
     again = cfg.run_dir.with_name("killed")
     assert sorted(p.name for p in (again / "checkpoints").glob("step_*")) == ["step_00000006"]
     capsys.readouterr()
@@ -179,3 +183,29 @@ def test_branch_overrides_are_honoured_or_refused(tmp_path, corpus):
     assert cfg.model.depth_schedule == [[5, 2]] and cfg.train.max_steps == 7
     with pytest.raises(ValueError, match="model cannot change"):
         branch_recipe(run, 4, 3, "b4", ["model.d_model=64"])
+
+
+@pytest.mark.slow
+def test_a_two_rank_fsdp_branch_continues_its_stable_run_exactly(tmp_path):
+    """FSDP over gloo, 2 ranks (torchrun): `grt branch` of a sharded stable run restores its sharded weights,
+    optimizer and data position: the branch's losses equal a 2-rank run from scratch with the branch's schedule."""
+    from conftest import free_port
+    from conftest import launched_recipe
+
+    recipe = launched_recipe(tmp_path, max_steps=6, grad_accum_steps=2, lr_schedule="wsd", decay_steps=1,
+                             keep_steps=[4], checkpoint_interval=3, eval_interval=100, backend="fsdp")
+
+    def torchrun(*args):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+               str(free_port()), "-m", "pipeline.cli", *args]
+        p = subprocess.run(cmd, cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=300)
+        assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+        return p
+
+    torchrun("train", str(recipe), "name=stable")
+    torchrun("branch", str(tmp_path / "runs" / "stable"), "--at", "4", "--decay-steps", "3", "--name", "branch")
+    torchrun("train", str(recipe), "name=reference", "train.max_steps=7", "train.decay_steps=3", "train.keep_steps=[]")
+    branch, reference = step_losses(tmp_path / "runs" / "branch"), step_losses(tmp_path / "runs" / "reference")
+    assert sorted(branch) == [5, 6, 7] and all(branch[s] == reference[s] for s in branch), (branch, reference)
+    assert step_values(tmp_path / "runs" / "branch", "lr") == pytest.approx(
+        {s: MIN + (LR - MIN) * (1 - (s - 4) / 3) for s in (5, 6, 7)}, rel=1e-12)

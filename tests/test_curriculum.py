@@ -239,27 +239,7 @@ def test_two_fsdp_ranks_follow_the_curricula_together(tmp_path):
         assert fsdp[step] == pytest.approx(loss, rel=1e-5, abs=1e-5), step  # fp32 sums in another order
 
 
-def _worker(recipe: str, record_dir: str) -> None:
-    """Train ``recipe`` on 2-rank FSDP; append each step's training forwards' depths to RECORD/rank<r>.jsonl."""
-    from pipeline.config import load_recipe
-    from pipeline.train.callbacks import Callback
-    from pipeline.train.trainer import Trainer
-    from test_depth_granularity import record_forward_depths
-
-    trainer = Trainer(load_recipe(recipe, ["name=fsdp", "train.backend=fsdp"]))
-    ran = record_forward_depths(trainer.raw_model)
-    Path(record_dir).mkdir(exist_ok=True)
-    out = open(Path(record_dir) / f"rank{trainer.backend.rank}.jsonl", "a")
-
-    class Record(Callback):
-        def on_step_end(self, trainer, metrics):
-            out.write(json.dumps({"step": metrics["step"], "ran": ran[:]}) + "\n")
-            out.flush()
-            ran.clear()
-
-    trainer.callbacks.append(Record())
-    trainer.fit()
-
-
 if __name__ == "__main__":
-    _worker(*sys.argv[1:3])
+    from test_depth_granularity import train_recording_depths
+
+    train_recording_depths(sys.argv[1], sys.argv[2], ["name=fsdp", "train.backend=fsdp"])

@@ -327,12 +327,18 @@ def test_two_ranks_run_the_same_micro_step_depths_and_resume_exactly(tmp_path):
 
 def _worker(recipe: str, name: str, record_dir: str) -> None:
     """Train ``recipe`` on FSDP with micro-step depths; append each step's recorded forwards to RECORD/rank<r>.jsonl."""
+    train_recording_depths(recipe, record_dir, [f"name={name}", "train.backend=fsdp",
+                                                "train.depth_granularity=micro_step"])
+
+
+def train_recording_depths(recipe: str, record_dir: str, overrides: list[str]) -> None:
+    """Train ``recipe`` with ``overrides`` (a rank of a torchrun job); append each step's training forwards' depths to
+    RECORD/rank<r>.jsonl (test_curriculum's 2-rank run uses it too)."""
     from pipeline.config import load_recipe
     from pipeline.train.callbacks import Callback
     from pipeline.train.trainer import Trainer
 
-    cfg = load_recipe(recipe, [f"name={name}", "train.backend=fsdp", "train.depth_granularity=micro_step"])
-    trainer = Trainer(cfg)
+    trainer = Trainer(load_recipe(recipe, overrides))
     ran = record_forward_depths(trainer.raw_model)
     Path(record_dir).mkdir(exist_ok=True)
     out = open(Path(record_dir) / f"rank{trainer.backend.rank}.jsonl", "a")

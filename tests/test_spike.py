@@ -60,6 +60,17 @@ def test_the_decision_against_a_hand_computed_window():
     h = SpikeGuard(SpikeConfig(action="skip"))
     h.load_state_dict(json.loads(json.dumps(g.state_dict())))
     assert h.state_dict() == g.state_dict()
+    # max_consecutive spikes in a row stop a skip run (a taken step starts the count again), and a rollback keeps
+    # the count: the loss that moved for good must not be skipped for ever
+    k = SpikeGuard(SpikeConfig(action="skip", window=4, min_steps=3, threshold=2.0, max_consecutive=3))
+    decisions = [k.judge(i + 1, x, 0, 8) for i, x in enumerate([5.0, 4.0, 4.5, 9.0, 9.0, 5.0, 9.0, 9.0, 9.0])]
+    assert decisions == [None] * 3 + ["skip", "skip", None, "skip", "skip", "stop"]
+    assert "3 spikes in a row (train.spike.max_consecutive=3): stopping" in k.line("stop", 9, 9.0)
+    r = SpikeGuard(SpikeConfig(action="rollback", window=4, min_steps=3, threshold=2.0, rollback_after=2,
+                               max_consecutive=3))
+    assert [r.judge(i + 1, x, 0, 8) for i, x in enumerate([5.0, 4.0, 4.5, 9.0, 9.0])][3:] == ["skip", "rollback"]
+    r.rolled_back({"window": [5.0, 4.0, 4.5], "in_a_row": 0})
+    assert r.judge(4, 9.0, 0, 8) == "stop"
     # DeepSpeed cannot drop an update its engine has counted: skip and rollback refused, stop allowed
     assert [p.split(" with ")[0] for p in SpikeConfig(action="skip").validate("deepspeed")] == [
         "train.spike.action=skip"]
@@ -156,6 +167,13 @@ def test_rollback_skips_the_spiky_data_and_stop_names_the_step(tokenized, monkey
     with pytest.raises(LossSpikeError, match=f"loss spike at step 6: .*Newest checkpoint: "
                                              f"{stop.run_dir / 'checkpoints' / 'step_00000004'}"):
         Trainer(stop).fit()
+    # a branch (train.branch_from) that rolls back before its first save goes back to where it branched from
+    start = stop.run_dir / "checkpoints" / "step_00000004"
+    branch = recipe(tmp, corpus, "branch", spike={"action": "rollback", "rollback_after": 2, "rollback_within": 5,
+                                                  **SPIKE}, branch_from=str(start), checkpoint_interval=100)
+    Trainer(branch).fit()
+    assert f"rolled back from step 7 to {start} (step 4)" in capsys.readouterr().out
+    assert [r["step"] for r in rows(branch) if "loss" in r] == [5, 6, 5, 6, 7, 8]
 
 
 @pytest.mark.slow

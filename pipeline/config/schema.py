@@ -124,7 +124,9 @@ class SpikeConfig:
     ``window`` good steps' losses by more than ``threshold`` standard deviations is a spike, judged once the window
     holds ``min_steps`` losses. off (default): nothing is judged | skip: the step's update is not taken | rollback: as
     skip, and ``rollback_after`` spikes within ``rollback_within`` steps reload the newest checkpoint, the spiky
-    steps' micro-batches skipped | stop: the run stops at the first spike, before its update."""
+    steps' micro-batches skipped | stop: the run stops at the first spike, before its update. Under skip or rollback,
+    ``max_consecutive`` spikes in a row (no update taken between them) stop the run: the window holds only good
+    steps' losses, so after a lasting rise of the loss it would otherwise skip every step for ever."""
 
     action: str = "off"
     window: int = 128
@@ -132,10 +134,11 @@ class SpikeConfig:
     min_steps: int = 20
     rollback_after: int = 3
     rollback_within: int = 100
+    max_consecutive: int = 20  # this many spikes in a row stop the run: the loss moved, and the window cannot follow
 
     def validate(self, backend: str) -> list[str]:
         p = choice("train.spike.action", self.action, ["off", "skip", "rollback", "stop"])
-        p += at_least(self, "train.spike", ("window", "rollback_after", "rollback_within"), 1)
+        p += at_least(self, "train.spike", ("window", "rollback_after", "rollback_within", "max_consecutive"), 1)
         p += at_least(self, "train.spike", ("min_steps",), 2)
         if self.min_steps > self.window:
             p.append(f"train.spike.min_steps={self.min_steps} is more than train.spike.window={self.window}: the "

@@ -23,6 +23,12 @@ SET_BY_BRANCH = ("train.max_steps", "train.lr_schedule", "train.decay_steps", "t
                  "train.branch_from", "name")
 
 
+def set_by_branch(key: str) -> bool:
+    """A dotted recipe key that `grt branch` sets itself (the branch's own schedule, name, start and tags)."""
+    return key in SET_BY_BRANCH or key == "train.keep_steps" or key.startswith(("tracking.tags.branch.",
+                                                                               "tracking.tags.mlflow.parentRunId"))
+
+
 def stable_until(train: dict) -> int | None:
     """The last step of a recipe's stable phase (its lr is constant up to there), None for a decaying schedule."""
     if train.get("lr_schedule") == "constant":

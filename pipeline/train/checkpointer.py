@@ -14,6 +14,7 @@ from pipeline.config.loading import with_current_keys
 from pipeline.config.recipe_files import changed_keys
 from pipeline.runtime.exit_status import DiskFull
 from pipeline.train.branch import branch_point
+from pipeline.train.branch import set_by_branch
 from pipeline.train.checkpoint import INDEX
 from pipeline.train.checkpoint import disk_full_cause
 from pipeline.train.checkpoint import disk_full_message
@@ -151,34 +152,38 @@ class Checkpointer:
         if diff:
             raise ValueError(f"cannot resume {newest}: the model changed since it was saved ({'; '.join(diff)}). "
                              f"Restore the recipe or start a new run under another name=")
-        self.backend.load_model_optimizer(trainer.model, trainer.optimizer, newest, state)
-        trainer.loader.load_state_dict(state["loader"])
-        trainer.step = state["step"]
-        trainer.skipped_steps = state.get("skipped_steps", 0)
+        self._load_into(trainer, newest, state)
         trainer.spike.load_state_dict(state.get("spike"))
-        trainer.tokens_seen = state.get("tokens_seen", tokens_through(self.cfg, trainer.step))  # (older: none)
         trainer.tracker_run_id = None if branching else state.get("mlflow_run_id")  # a branch: not its parent's
         saved_recipe = state["recipe"]
         del state  # the checkpoint's tensors (a mapping, or whole copies) go now; what stays is the loaded state
         self._report_resume(newest, time.perf_counter() - t0, rss)
         if self.backend.is_main:
             changes = recipe_changes(saved_recipe, self.cfg.to_dict())
+            if branching:  # what grt branch set is the branch itself, not a change to warn of
+                changes = [c for c in changes if not set_by_branch(c.split(":", 1)[0])]
             if changes:
-                print(f"note: the recipe changed since the checkpoint at step {trainer.step} "
-                      f"({newest / 'recipe.yaml'}): {'; '.join(changes)}", file=sys.stderr, flush=True)
+                what = ("the branch's recipe differs from its parent's at" if branching else
+                        "the recipe changed since")
+                print(f"note: {what} the checkpoint at step {trainer.step} ({newest / 'recipe.yaml'}): "
+                      f"{'; '.join(changes)}", file=sys.stderr, flush=True)
             cut_metrics_back(self.run_dir, trainer.step)
 
     def reload(self, trainer, folder: Path) -> None:
-        """train.spike's rollback: load ``folder``, a checkpoint of this run, into the running trainer (as
-        :meth:`resume` does, the metrics history kept: it records the rollback)."""
-        self.finish(trainer)  # a save in flight is published first
+        """train.spike's rollback: load ``folder`` (the newest checkpoint, or a branch's starting point; the caller
+        has published any save in flight) into the running trainer as :meth:`resume` does, the metrics history kept
+        (it records the rollback)."""
         state = load_checkpoint(folder, map_location="cpu", verify=False)
+        self._load_into(trainer, folder, state)
+        trainer.spike.rolled_back(state.get("spike"))
+
+    def _load_into(self, trainer, folder: Path, state: dict) -> None:
+        """The checkpoint ``state`` (read from ``folder``) into the trainer: model, optimizer, loader, step counters."""
         self.backend.load_model_optimizer(trainer.model, trainer.optimizer, folder, state)
         trainer.loader.load_state_dict(state["loader"])
         trainer.step = state["step"]
         trainer.skipped_steps = state.get("skipped_steps", 0)
-        trainer.tokens_seen = state.get("tokens_seen", tokens_through(self.cfg, trainer.step))
-        trainer.spike.rolled_back(state.get("spike"))
+        trainer.tokens_seen = state.get("tokens_seen", tokens_through(self.cfg, trainer.step))  # (older: none)
 
     def _report_resume(self, folder: Path, seconds: float, rss: PeakRSS) -> None:
         """One line on rank 0: how long the load took and the host memory it took on the ranks, summed: the rise of

@@ -150,4 +150,5 @@ def recipe_changes(saved: dict, now: dict) -> list[str]:
     today's keys (:func:`~pipeline.config.loading.with_current_keys`: an old run's ``train.bptt_k: 4`` is today's
     ``model.backprop_steps: 4``, no change)."""
     a, b = flat(with_current_keys(saved)), flat(with_current_keys(now))
-    return [f"{k}: {a.get(k, '(unset)')!r} -> {b.get(k, '(unset)')!r}" for k in changed_keys(a, b)]
+    keys = [k for k in changed_keys(a, b) if not (a.get(k) == {} and k not in b or b.get(k) == {} and k not in a)]
+    return [f"{k}: {a.get(k, '(unset)')!r} -> {b.get(k, '(unset)')!r}" for k in keys]  # (an emptied dict: its keys)

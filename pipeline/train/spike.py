@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections import deque
+from pathlib import Path
 
 
 class LossSpikeError(FloatingPointError):
@@ -39,6 +40,7 @@ class SpikeGuard:
         self.recent: list[tuple[int, int, int]] = []  # (step, loader position, samples) of spikes not yet rolled back
         self.pending: list[tuple[int, int, int]] = []  # (step, loader position, samples) to skip when it gets there
         self.rollbacks = 0  # rollbacks so far in this run (kept over the reload)
+        self.in_a_row = 0  # spikes since the last step whose update was taken (kept over the reload)
 
     # ------------------------------------------------------------------------------------------ decisions
     def stats(self) -> tuple[float, float]:
@@ -54,18 +56,26 @@ class SpikeGuard:
         if len(self.window) >= self.cfg.min_steps:
             mean, std = self.stats()
             if loss > mean + self.cfg.threshold * std:
+                self.in_a_row += 1
+                if self.in_a_row >= self.cfg.max_consecutive:  # the window cannot follow a level shift: never skip
+                    return "stop"                               # every step for ever
                 if self.cfg.action != "rollback":
                     return self.cfg.action
                 self.recent = [r for r in self.recent if r[0] > step - self.cfg.rollback_within]
                 self.recent.append((step, position, samples))
                 return "rollback" if len(self.recent) >= self.cfg.rollback_after else "skip"
         self.window.append(loss)
+        self.in_a_row = 0
         return None
 
     def line(self, decision: str, step: int, loss: float) -> str:
         """The one line that says a decision: the step, its loss, and the window it was judged against."""
         mean, std = self.stats()
-        what = {"skip": "its update skipped", "stop": "stopping before its update",
+        if decision == "stop" and self.cfg.action != "stop":
+            what = (f"{self.in_a_row} spikes in a row (train.spike.max_consecutive={self.cfg.max_consecutive}): "
+                    f"stopping before its update")
+        else:
+            what = {"skip": "its update skipped", "stop": "stopping before its update",
                 "rollback": f"its update skipped; {len(self.recent)} spikes within {self.cfg.rollback_within} steps: "
                             f"rolling back"}[decision]
         return (f"spike: step {step} loss {loss:.4f} > window mean {mean:.4f} + {self.cfg.threshold:g} x std "
@@ -81,10 +91,10 @@ class SpikeGuard:
     def rolled_back(self, saved: dict | None) -> list[tuple[int, int, int]]:
         """After the reload: the window as the checkpoint had it, the spiky steps' micro-batches to be skipped
         (returned: (step, position, samples) each), and the rollback counted."""
-        spiky, pending, rollbacks = self.recent, self.pending, self.rollbacks
+        spiky, pending, rollbacks, in_a_row = self.recent, self.pending, self.rollbacks, self.in_a_row
         self.load_state_dict(saved)
         self.pending = sorted(set(pending + self.pending + spiky), key=lambda p: p[1])
-        self.rollbacks = rollbacks + 1
+        self.rollbacks, self.in_a_row = rollbacks + 1, in_a_row
         self.recent = []
         return spiky
 
@@ -109,7 +119,7 @@ class SpikeGuard:
     # ------------------------------------------------------------------------------------------ state
     def state_dict(self) -> dict:
         return {"window": list(self.window), "recent": [list(r) for r in self.recent],
-                "pending": [list(p) for p in self.pending], "rollbacks": self.rollbacks}
+                "pending": [list(p) for p in self.pending], "rollbacks": self.rollbacks, "in_a_row": self.in_a_row}
 
     def load_state_dict(self, state: dict | None) -> None:
         """``state``: a checkpoint's (None: one written before train.spike existed, or with it off: an empty
@@ -119,6 +129,7 @@ class SpikeGuard:
         self.recent = [tuple(r) for r in state.get("recent", [])]
         self.pending = [tuple(p) for p in state.get("pending", [])]
         self.rollbacks = state.get("rollbacks", 0)
+        self.in_a_row = state.get("in_a_row", 0)
 
     # ------------------------------------------------------------------------------------------ in the trainer
     def decide(self, trainer, loss: float) -> str | None:
@@ -149,15 +160,24 @@ class SpikeGuard:
                  {"spike_action": code, "spike_loss": loss, "spike_z": event["spike_z"]})
         if decision == "stop":
             mean, std = self.stats()
+            newest = trainer.checkpointer.newest() or "none"
+            if self.cfg.action != "stop":
+                raise LossSpikeError(f"loss spike at step {step}: {self.in_a_row} steps in a row spiked above the "
+                                     f"window's mean {mean:.4f} + {self.cfg.threshold:g} x std {std:.4f}, so the loss "
+                                     f"moved and the window cannot follow (train.spike.max_consecutive="
+                                     f"{self.cfg.max_consecutive}); stopped before its update. Raise "
+                                     f"train.spike.threshold, or resume from {newest} with a lower train.lr")
             raise LossSpikeError(f"loss spike at step {step}: loss {loss:.4f} against the window's mean {mean:.4f} "
                                  f"and std {std:.4f} (train.spike.threshold={self.cfg.threshold:g}); stopped before "
-                                 f"its update. Newest checkpoint: {trainer.checkpointer.newest() or 'none'}")
+                                 f"its update. Newest checkpoint: {newest}")
         metrics.update(event)
         trainer.skipped_steps += 1  # its update was not taken: counted with the non-finite ones (skipped_steps)
         if decision != "rollback":
             return metrics
         trainer.checkpointer.finish(trainer)  # a save in flight is published (or pruned) before the newest is chosen
         folder = trainer.checkpointer.newest()
+        if folder is None and trainer.cfg.train.branch_from is not None:  # a branch before its first save: its start
+            folder = Path(trainer.cfg.train.branch_from)
         if folder is None:
             raise LossSpikeError(f"loss spike rollback at step {step}: no checkpoint written yet to roll back to; "
                                  f"lower train.checkpoint_interval or use train.spike.action=skip")
