@@ -187,13 +187,14 @@ def test_branch_overrides_are_honoured_or_refused(tmp_path, corpus):
 
 @pytest.mark.slow
 def test_a_two_rank_fsdp_branch_continues_its_stable_run_exactly(tmp_path):
-    """FSDP over gloo, 2 ranks (torchrun): `grt branch` of a sharded stable run restores its sharded weights,
-    optimizer and data position: the branch's losses equal a 2-rank run from scratch with the branch's schedule."""
+    """FSDP over gloo, 2 ranks (torchrun): `grt branch` from a sharded checkpoint restores the sharded weights,
+    optimizer and data position: branched at the end of a wsd run's stable phase with that run's own decay, it
+    trains the run's decay steps again with the same losses."""
     from conftest import free_port
     from conftest import launched_recipe
 
-    recipe = launched_recipe(tmp_path, max_steps=6, grad_accum_steps=2, lr_schedule="wsd", decay_steps=1,
-                             keep_steps=[4], checkpoint_interval=3, eval_interval=100, backend="fsdp")
+    recipe = launched_recipe(tmp_path, max_steps=7, grad_accum_steps=2, lr_schedule="wsd", decay_steps=3,
+                             keep_steps=[4], checkpoint_interval=100, eval_interval=100, backend="fsdp")
 
     def torchrun(*args):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
@@ -202,9 +203,8 @@ def test_a_two_rank_fsdp_branch_continues_its_stable_run_exactly(tmp_path):
         assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
         return p
 
-    torchrun("train", str(recipe), "name=stable")
-    torchrun("branch", str(tmp_path / "runs" / "stable"), "--at", "4", "--decay-steps", "3", "--name", "branch")
-    torchrun("train", str(recipe), "name=reference", "train.max_steps=7", "train.decay_steps=3", "train.keep_steps=[]")
+    torchrun("train", str(recipe), "name=reference")  # stable through step 4 (saved: keep_steps), decay 5..7
+    torchrun("branch", str(tmp_path / "runs" / "reference"), "--at", "4", "--decay-steps", "3", "--name", "branch")
     branch, reference = step_losses(tmp_path / "runs" / "branch"), step_losses(tmp_path / "runs" / "reference")
     assert sorted(branch) == [5, 6, 7] and all(branch[s] == reference[s] for s in branch), (branch, reference)
     assert step_values(tmp_path / "runs" / "branch", "lr") == pytest.approx(
