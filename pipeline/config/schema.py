@@ -219,9 +219,6 @@ class TrainConfig:
         if self.eval_budget is not None and not self.eval_exits:
             p.append("train.eval_budget only applies to train.eval_exits=true (the in-loop exit eval); remove it or "
                      "set eval_exits: true")
-        if self.eval_exits and (self.backend == "fsdp" or (self.backend == "deepspeed" and self.zero_stage == 3)):
-            p.append("train.eval_exits=true scores the unwrapped model, which FSDP / ZeRO-3 shard: set it false "
-                     "and run `grt eval` on the checkpoints")
         p += choice("train.depth_granularity", self.depth_granularity, ["step", "micro_step"])
         p += batch_ramp_problems(self)
         p += schedule_problems(self)

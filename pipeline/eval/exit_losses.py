@@ -8,6 +8,8 @@ Every sum stays on the device until the curve is done: a GPU never waits for the
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from pipeline.infer.precision import exact_fp32
@@ -99,7 +101,7 @@ def logsumexp_into(logits: torch.Tensor, scratch: torch.Tensor, softmax: bool = 
 
 @torch.no_grad()
 def exit_curve(model, batches, exits: list[int], ref: int, device: torch.device, keep_tokens: bool = False,
-               noise: bool = False, dtype: str | None = None) -> dict:
+               noise: bool = False, dtype: str | None = None, head=None) -> dict:
     """Token-weighted means over ``batches`` of each exit's loss, KL to ``ref`` and top-1 agreement with ``ref``;
     the gate's mean per step where there is one. ``exits`` may include 0 (GRT: the state before any step).
     With ``keep_tokens`` the per-token losses [tokens, exits] and target ids are returned too (for the
@@ -109,11 +111,12 @@ def exit_curve(model, batches, exits: list[int], ref: int, device: torch.device,
     :class:`~pipeline.train.data.Batch` (its ``docs`` go to the model under document masking) or (inputs, targets).
 
     The sums stay on ``device`` and come to the host once, at the end (with ``keep_tokens`` the per-token losses
-    come once per batch)."""
+    come once per batch). ``head``: a context around each batch's head, where the head's weight is read (ZeRO-3
+    gathers it there, :mod:`pipeline.train.in_loop_eval`); None: read once."""
     model.eval()
     exits = sorted(set(exits) | {ref})
-    weight = predicted_weight(model.lm_head)
-    chunk = head_chunk(weight.shape[0], device)
+    weight = predicted_weight(model.lm_head) if head is None else None
+    chunk = head_chunk(getattr(model.lm_head, "n_vocab", model.lm_head.out_features), device)
     # rows: loss, KL, top-1 agreements, gate mean x tokens; fp64 as the per-batch sums were added on the host
     sums = torch.zeros(4, len(exits), dtype=torch.float64, device=device)
     has_gate, tokens, per_token, ids = False, 0, [], []
@@ -124,7 +127,9 @@ def exit_curve(model, batches, exits: list[int], ref: int, device: torch.device,
         with inference_precision(dtype, device):
             states = dict(model.exit_states(x, exits, gates, noise=True, **docs) if noise else
                           model.exit_states(x, exits, gates, **docs))
-        losses, kl, agree = exit_stats(states, weight, y, ref, chunk)
+        with contextlib.nullcontext() if head is None else head():
+            losses, kl, agree = exit_stats(states, predicted_weight(model.lm_head) if weight is None else weight, y,
+                                           ref, chunk)
         n = y.numel()
         sums[0] += losses.double().sum(dim=0)
         sums[1] += kl

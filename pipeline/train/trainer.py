@@ -151,6 +151,8 @@ class Trainer:
         self.run_lock = self._lock_run_folder()
         try:
             self.checkpointer.resume(self)
+            if self.in_loop_eval is not None:  # eval_curve.png keeps the evals before the resume
+                self.in_loop_eval.resumed(self)
             # every rank takes part (hostnames are gathered; a store that cannot be reached stops all); None off
             # rank 0
             self.tracker = open_training_tracker(cfg, self.run_dir, self.tracker_run_id, self.backend)
