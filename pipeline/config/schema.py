@@ -18,8 +18,11 @@ from pipeline.model.configs import ModelConfig
 from pipeline.model.configs import at_least
 from pipeline.model.configs import choice
 from pipeline.tokenize.tokenizers import pattern_problems
+from pipeline.train.branch_budgets import budget_problems
+from pipeline.train.branch_budgets import merge_keep_steps
 from pipeline.train.curriculum import batch_ramp_problems
 from pipeline.train.curriculum import depth_schedule_problems
+from pipeline.train.in_loop_tasks_check import eval_task_problems
 from pipeline.train.schedule import schedule_problems
 
 
@@ -192,10 +195,18 @@ class TrainConfig:
     # the loss at every exit and val_bpb at each eval, eval_curve.png (pipeline/train/in_loop_eval.py); off: as before
     eval_exits: bool = False
     eval_budget: Optional[float] = None  # its share of training time (eval batches cut to fit); null: no cap
+    # downstream tasks scored at each eval through grt eval's lm-eval adapter (pipeline/train/in_loop_tasks.py), the
+    # first eval_task_limit items of each (null: 100), at eval.task_depths from eval.task_data_dir; null or []: none
+    # (null defaults: an old run's recipe reads as unchanged on resume)
+    eval_tasks: Optional[list] = None
+    eval_task_limit: Optional[int] = None
     checkpoint_interval: int = 1000
     keep_checkpoints: int = 3
     keep_steps: list = field(default_factory=list)  # steps always checkpointed and never pruned (branch points)
     branch_from: Optional[str] = None  # a checkpoint folder a new run starts from exactly (`grt branch` sets it)
+    # smaller budgets (steps) that `grt sweep` branches off this stable wsd run, each decaying to end there; their
+    # branch points join keep_steps (pipeline/train/branch_budgets.py); null: none (unset: old runs' recipes match)
+    branch_budgets: Optional[list] = None
     # auto: sharded for fsdp and deepspeed, full for single and ddp. full: one state.pt gathered on rank 0 (loads
     # anywhere); sharded: torch.distributed.checkpoint, every rank writes its own shards (deepspeed: its own format)
     checkpoint_format: str = "auto"
@@ -212,6 +223,9 @@ class TrainConfig:
     batch_ramp: Optional[list] = None
     spike: SpikeConfig = field(default_factory=SpikeConfig)  # the loss-spike defence (off by default)
 
+    def __post_init__(self):
+        merge_keep_steps(self)  # branch_budgets' branch points are kept checkpoints
+
     def validate(self) -> list[str]:
         p = choice("train.backend", self.backend, ["single", "ddp", "fsdp", "deepspeed"])
         if self.eval_budget is not None and not 0 < self.eval_budget <= 1:
@@ -219,9 +233,11 @@ class TrainConfig:
         if self.eval_budget is not None and not self.eval_exits:
             p.append("train.eval_budget only applies to train.eval_exits=true (the in-loop exit eval); remove it or "
                      "set eval_exits: true")
+        p += eval_task_problems(self, LOCAL_TASKS)
         p += choice("train.depth_granularity", self.depth_granularity, ["step", "micro_step"])
         p += batch_ramp_problems(self)
         p += schedule_problems(self)
+        p += budget_problems(self)
         p += self.spike.validate(self.backend)
         p += choice("train.activation_checkpointing", self.activation_checkpointing, ["none", "core_step", "blocks"])
         p += choice("train.fused_ops", self.fused_ops, ["auto", "reference", "triton"])

@@ -6,6 +6,9 @@ bases they inherit and do not run. Every run is tagged ``sweep=<folder name>`` i
 ``tracking.tags``), so ``grt compare --tag sweep=<folder name>`` shows the sweep as one table. A recipe that fails
 is reported and the sweep goes on with the next; the exit status is 1 when any failed. A stop (Ctrl-C, SIGTERM)
 stops the whole sweep after its summary: the same command later resumes the stopped run and reruns the rest.
+A recipe with ``train.branch_budgets`` is a stable run followed by its decay branches, one row each
+(:mod:`pipeline.studies.sweep_branches`); ``--dry-run`` also prints the planned cost
+(:mod:`pipeline.studies.sweep_cost`).
 """
 from __future__ import annotations
 
@@ -25,6 +28,13 @@ from pipeline.run.command import run_recipe
 from pipeline.runtime.exit_status import FAILED
 from pipeline.runtime.exit_status import OK
 from pipeline.runtime.exit_status import TrainingStopped
+from pipeline.studies.sweep_branches import branch_config
+from pipeline.studies.sweep_branches import branch_name
+from pipeline.studies.sweep_branches import describe_branch
+from pipeline.studies.sweep_branches import points_of
+from pipeline.studies.sweep_branches import run_branch
+from pipeline.studies.sweep_cost import plan_configs
+from pipeline.studies.sweep_cost import plan_line
 
 # runner(recipe file, overrides, data recipe or None): trains and evaluates one recipe, raising when it fails
 Runner = Callable[[str, list, Optional[str]], object]
@@ -141,9 +151,12 @@ def run_sweep(folder: str | Path, overrides: list | None = None, data: Optional[
     overrides = [tag_override(folder), *(overrides or [])]
     cfgs = [_load(p, overrides, data) for p in recipes]  # every recipe first: a broken one fails here, before any run
     refuse_shared_run_folders(recipes, cfgs, overrides)
-    rows = [SweepRow(str(p)) for p in recipes]
+    own = [SweepRow(str(p)) for p in recipes]
+    # train.branch_budgets: one row per decay branch, after its stable run's (sweep_branches.py)
+    branches = [[SweepRow(f"{p} (budget {b.budget})") for b in points_of(c)] for p, c in zip(recipes, cfgs)]
+    rows = [r for row, kids in zip(own, branches) for r in (row, *kids)]
     main = int(os.environ.get("RANK", "0")) == 0
-    for i, (path, row, cfg) in enumerate(zip(recipes, rows, cfgs), 1):
+    for i, (path, row, cfg) in enumerate(zip(recipes, own, cfgs), 1):
         t0 = time.time()
         try:
             if isinstance(cfg, BaseException):
@@ -152,6 +165,9 @@ def run_sweep(folder: str | Path, overrides: list | None = None, data: Optional[
             if dry_run:
                 row.status = "dry run"
                 print(f"{i}. {path} -> {cfg.name}: {_describe(cfg)}")
+                for kid, point in zip(branches[i - 1], points_of(cfg)):
+                    kid.name, kid.status = branch_name(cfg, point), "dry run"
+                    print(describe_branch(cfg, point))
                 continue
             done, why = finished(cfg) if not rerun else (False, "")
             if done:
@@ -160,15 +176,18 @@ def run_sweep(folder: str | Path, overrides: list | None = None, data: Optional[
                     print(f"=== sweep {sweep_tag(folder)} [{i}/{len(recipes)}]: {cfg.name} trained and evaluated at "
                           f"step {cfg.train.max_steps} already ({cfg.run_dir}): skipped (--rerun runs it again)",
                           flush=True)
-                continue
-            if main:
-                again = f" ({why}: running it again)" if why else ""
-                print(f"\n=== sweep {sweep_tag(folder)} [{i}/{len(recipes)}]: {path} -> run {cfg.name}{again}",
-                      flush=True)
-            runner(str(path), overrides, data)
-            row.status, row.val_loss = "ok", saved_val_loss(cfg.run_dir)
+            else:
+                if main:
+                    again = f" ({why}: running it again)" if why else ""
+                    print(f"\n=== sweep {sweep_tag(folder)} [{i}/{len(recipes)}]: {path} -> run {cfg.name}{again}",
+                          flush=True)
+                runner(str(path), overrides, data)
+                row.status, row.val_loss = "ok", saved_val_loss(cfg.run_dir)
+            row.seconds = round(time.time() - t0, 1)
+            _run_branches(cfg, branches[i - 1], f"sweep {sweep_tag(folder)} [{i}/{len(recipes)}]", rerun, main)
         except (TrainingStopped, KeyboardInterrupt):
-            row.status, row.seconds = "stopped", round(time.time() - t0, 1)
+            if row.status not in ("ok", "done before"):  # (else one of its branches stopped: its row says so)
+                row.status, row.seconds = "stopped", round(time.time() - t0, 1)
             if main:
                 print(summary_table(rows, folder), flush=True)
             raise
@@ -178,9 +197,52 @@ def run_sweep(folder: str | Path, overrides: list | None = None, data: Optional[
                 print(f"sweep: {path} failed: {row.error}", file=sys.stderr, flush=True)
                 if os.environ.get("GRT_DEBUG"):
                     traceback.print_exc()
-        if not dry_run:
+        if not dry_run and row.seconds is None:
             row.seconds = round(time.time() - t0, 1)
     return rows
+
+
+def _run_branches(cfg, kids: list[SweepRow], where: str, rerun: bool, main: bool) -> None:
+    """Each decay branch of a stable run that trained (or was done before): skipped when trained and evaluated at its
+    budget already (unless ``rerun``), else started or resumed, trained and evaluated. A failed branch is reported in
+    its row and the next goes on; a stop is raised with the rows not run left so."""
+    for kid, point in zip(kids, points_of(cfg)):
+        t0 = time.time()
+        kid.name = branch_name(cfg, point)
+        try:
+            bcfg = branch_config(cfg, point)
+            done, why = finished(bcfg) if not rerun else (False, "")
+            if done:
+                kid.status, kid.val_loss = "done before", saved_val_loss(bcfg.run_dir)
+                if main:
+                    print(f"=== {where}: branch {kid.name} trained and evaluated at step {point.budget} already: "
+                          f"skipped", flush=True)
+                continue
+            if main:
+                again = f" ({why}: running it again)" if why else ""
+                print(f"\n=== {where}: branch {kid.name} (budget {point.budget}: from step {point.at}, "
+                      f"{point.decay} decay steps){again}", flush=True)
+            run_branch(bcfg)
+            kid.status, kid.val_loss = "ok", saved_val_loss(bcfg.run_dir)
+        except (TrainingStopped, KeyboardInterrupt):
+            kid.status, kid.seconds = "stopped", round(time.time() - t0, 1)
+            raise
+        except Exception as e:  # noqa: BLE001 (one branch failing: report it and go on with the next)
+            kid.status, kid.error = "failed", _one_line(e)
+            if main:
+                print(f"sweep: branch {kid.name} failed: {kid.error}", file=sys.stderr, flush=True)
+                if os.environ.get("GRT_DEBUG"):
+                    traceback.print_exc()
+        kid.seconds = round(time.time() - t0, 1)
+
+
+def plan_sweep(folder: str | Path, overrides: list | None = None, data: Optional[str] = None) -> dict:
+    """The planned cost of ``grt sweep folder`` (every run and branch, and the totals; nothing runs)."""
+    from pipeline.config import load_recipe
+
+    recipes = sweep_recipes(folder)
+    return plan_configs([load_recipe(p, [tag_override(folder), *(overrides or [])], data=data) for p in recipes],
+                        str(folder))
 
 
 def _describe(cfg) -> str:
@@ -223,6 +285,8 @@ def sweep_command(folder: str, overrides: list, data: Optional[str] = None, dry_
         ready = sum(r.status == "dry run" for r in rows)
         print(f"{ready} of {len(rows)} recipe(s) would run, each tagged sweep={sweep_tag(folder)} (dry run: nothing "
               f"ran)" + ("; the others fail to load (above)" if ready < len(rows) else ""))
+        if ready == len(rows):
+            print(plan_line(plan_sweep(folder, overrides, data)))
         return OK if ready == len(rows) else FAILED
     if int(os.environ.get("RANK", "0")) == 0:
         print(summary_table(rows, folder))

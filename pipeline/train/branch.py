@@ -25,8 +25,8 @@ SET_BY_BRANCH = ("train.max_steps", "train.lr_schedule", "train.decay_steps", "t
 
 def set_by_branch(key: str) -> bool:
     """A dotted recipe key that `grt branch` sets itself (the branch's own schedule, name, start and tags)."""
-    return key in SET_BY_BRANCH or key == "train.keep_steps" or key.startswith(("tracking.tags.branch.",
-                                                                               "tracking.tags.mlflow.parentRunId"))
+    return (key in SET_BY_BRANCH or key in ("train.keep_steps", "train.branch_budgets")
+            or key.startswith(("tracking.tags.branch.", "tracking.tags.mlflow.parentRunId")))
 
 
 def stable_until(train: dict) -> int | None:
@@ -77,6 +77,7 @@ def branch_recipe(run: str, step: int, decay_steps: int, name: str | None, overr
                          f"trained with train.lr_schedule wsd or constant, at a step after its warm-up and before "
                          f"its own decay")
     data.setdefault("train", {})["keep_steps"] = []  # the parent's branch points are its own; an override sets new
+    data["train"]["branch_budgets"] = None  # a branch is one budget (the parent's budgets are grt sweep's)
     data, problems = apply_overrides(data, list(overrides))
     if problems:
         raise RecipeError(problems, "grt branch")

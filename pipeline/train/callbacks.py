@@ -143,4 +143,5 @@ class TrackerCallback(Callback):
         extra = {f"val_loss_exit_{e}": v for e, v in zip(metrics.get("exit", []), metrics.get("exit_loss", []))}
         if metrics.get("val_bpb") is not None:
             extra["val_bpb"] = metrics["val_bpb"]  # train.eval_exits: empty when off, the call as before
+        extra.update({k: v for k, v in metrics.items() if k.startswith("task_")})  # train.eval_tasks
         self.tracker.log_metrics({"val_loss": metrics["val_loss"], **extra}, metrics["step"])

@@ -51,6 +51,7 @@ from pipeline.train.data import check_windows
 from pipeline.train.data import validation_batches
 from pipeline.train.data_match import check_dataset_matches_model
 from pipeline.train.in_loop_eval import InLoopEval
+from pipeline.train.in_loop_tasks import InLoopTasks
 from pipeline.train.materialize import build_for_training
 from pipeline.train.mfu import device_peak_flops
 from pipeline.train.mfu import peak_flops_report
@@ -135,6 +136,7 @@ class Trainer:
         # built, sharded, materialised and initialised; unwrapped: train_depth and friends stay reachable
         self.raw_model = build_for_training(cfg, self.backend)
         self.in_loop_eval = InLoopEval(self) if tc.eval_exits else None
+        self.in_loop_tasks = InLoopTasks(self) if tc.eval_tasks else None  # checks the task files now
         self.z_loss = ZLossMeter(self.raw_model, tc.z_loss)  # train.z_loss: its coefficient set on the LM head
         self.model, self.optimizer = self.backend.setup(
             self.raw_model, lambda m: build_optimizer(m, tc, self.device.type))
@@ -337,6 +339,8 @@ class Trainer:
                   "val_depth": depth}
         if self.in_loop_eval is not None:  # train.eval_exits: the loss at every exit and bpb (in_loop_eval.py)
             result.update(self.in_loop_eval.run(self))
+        if self.in_loop_tasks is not None:  # train.eval_tasks: downstream scores (in_loop_tasks.py)
+            result.update(self.in_loop_tasks.run(self))
         return result
 
     def _validate_or_save(self) -> dict:

@@ -43,8 +43,9 @@ def check_task_inputs(tasks: list[str], data_dir: str | None) -> Path:
 
 
 def run_tasks(model, cfg, tasks: list[str], depths: list[int], batch_size: int, data_dir: str | None = None,
-              limit: int | None = None, quiet: bool = False) -> dict:
-    """{"depths": {depth: {task: {metric: value, metric_stderr: ..., "items": n}}}, "seconds": ...}"""
+              limit: int | None = None, quiet: bool = False, bootstrap_iters: int = 1000) -> dict:
+    """{"depths": {depth: {task: {metric: value, metric_stderr: ..., "items": n}}}, "seconds": ...}; bootstrap_iters=0:
+    no stderrs (lm-eval bootstraps some in a forked process pool, which a training process must not start)"""
     import lm_eval
     from lm_eval.tasks import TaskManager
 
@@ -68,7 +69,7 @@ def run_tasks(model, cfg, tasks: list[str], depths: list[int], batch_size: int, 
     for depth in depths:
         lm = GRTLM(model=model, cfg=cfg, n_steps=depth, batch_size=batch_size, scorer=scorer, tokenizer=tokenizer)
         res = lm_eval.simple_evaluate(model=lm, tasks=list(tasks), task_manager=manager, limit=limit,
-                                      log_samples=False, bootstrap_iters=1000, verbosity="WARNING")
+                                      log_samples=False, bootstrap_iters=bootstrap_iters, verbosity="WARNING")
         out["depths"][depth] = task_metrics(res)
     out["seconds"] = round(time.time() - t0, 1)
     return out

@@ -1,0 +1,28 @@
+"""The recipe check of ``train.eval_tasks`` (pipeline/train/in_loop_tasks.py runs them); no imports of the pipeline,
+so the recipe schema can call it without a cycle."""
+from __future__ import annotations
+
+import difflib
+
+DEFAULT_LIMIT = 100  # items per task when train.eval_task_limit is null (docs/eval.md says why)
+
+
+def eval_task_problems(tc, local_tasks: tuple[str, ...]) -> list[str]:
+    """train.eval_tasks / eval_task_limit checked with the recipe (the data files: when the trainer starts)."""
+    p = []
+    for t in tc.eval_tasks or []:
+        if t not in local_tasks:
+            near = difflib.get_close_matches(str(t), local_tasks, n=1)
+            p.append(f"train.eval_tasks: unknown task {t!r}" + (f" — did you mean {near[0]!r}?" if near else
+                                                                f"; the local tasks are {list(local_tasks)}"))
+    if tc.eval_task_limit is not None and (not isinstance(tc.eval_task_limit, int) or tc.eval_task_limit < 1):
+        p.append(f"train.eval_task_limit must be an integer >= 1 (items per task at each eval), got "
+                 f"{tc.eval_task_limit!r}")
+    zero = tc.deepspeed.get("zero_optimization") if isinstance(tc.deepspeed, dict) else None
+    stage = zero.get("stage", tc.zero_stage) if isinstance(zero, dict) else tc.zero_stage
+    if tc.eval_tasks and (tc.backend == "fsdp" or (tc.backend == "deepspeed" and stage == 3)):
+        p.append(f"train.eval_tasks with train.backend={tc.backend}" + (" at ZeRO stage 3" if stage == 3 and
+                 tc.backend == "deepspeed" else "") + ": the lm-eval adapter reads the LM head's weight outside its "
+                 "module's forward, which sharded parameters do not allow; use backend single, ddp or deepspeed "
+                 "ZeRO 1-2, or score the checkpoints with `grt eval RUN eval.tasks=[...]`")
+    return p
