@@ -5,11 +5,13 @@
 Every rank scores every request (the same forwards, no collective inside): lm-eval shards a task across ranks only
 through its own accelerate gather, which this loop does not run, so a rank never waits on another here and all ranks
 hold the same numbers (rank 0 logs them; lm-eval answers on LOCAL_RANK 0 only, so the call runs as LOCAL_RANK 0).
-Sharded parameters (FSDP, ZeRO-3) are refused by the recipe check: the adapter reads the LM head's weight outside its
-module's forward. lm-eval seeds Python's, NumPy's and torch's RNGs: they are saved before and put back after, and the
-model is put back in train mode, so training goes on as without. No standard errors: lm-eval bootstraps some
-(perplexity) in a forked process pool, which can hang a process that runs threads (torch's, MLflow's, the heartbeat):
-seen here as a test stuck 13 minutes in a forked child.
+Sharded parameters (FSDP, ZeRO-3): every rank runs the same forwards, so the blocks gather in them as in training;
+what the adapter reads outside a forward (FSDP: the root's parameters; ZeRO-3: the model's own and the LM head's
+weight) is gathered for the call (:func:`~pipeline.train.in_loop_eval.gathered`, :func:`~.head`).
+lm-eval seeds Python's, NumPy's and torch's RNGs: they are saved before and put back after, and the model is put
+back in train mode, so training goes on as without. No standard errors: lm-eval bootstraps some (perplexity) in a
+forked process pool, which can hang a process that runs threads (torch's, MLflow's, the heartbeat): seen here as a
+test stuck 13 minutes in a forked child.
 """
 from __future__ import annotations
 
@@ -88,6 +90,8 @@ class InLoopTasks:
         from pipeline.eval.analyses.methods import routing
         from pipeline.eval.lm_eval.downstream import run_tasks  # lm-eval loads only for runs that use it
         from pipeline.infer.precision import inference_precision
+        from pipeline.train.in_loop_eval import gathered
+        from pipeline.train.in_loop_eval import head
 
         t0 = time.perf_counter()
         model, ev = trainer.raw_model, self.cfg.eval
@@ -95,7 +99,8 @@ class InLoopTasks:
         model.eval()
         try:  # MoR: the adapter switches to causal routing; routing() puts the training routing back
             with rng_kept(trainer.device), as_local_rank_0(), routing(model, getattr(model, "routing", None)), \
-                    inference_precision(ev.dtype, trainer.device):
+                    inference_precision(ev.dtype, trainer.device), gathered(model, self.backend), \
+                    (head(model, self.backend) or contextlib.nullcontext)():
                 res = run_tasks(model, self.cfg, self.tasks, self.depths, ev.task_batch_size, self.data_dir,
                                 self.limit, quiet=True,
                                 bootstrap_iters=0)  # no forked pool in a threaded trainer

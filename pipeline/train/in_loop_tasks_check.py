@@ -18,11 +18,4 @@ def eval_task_problems(tc, local_tasks: tuple[str, ...]) -> list[str]:
     if tc.eval_task_limit is not None and (not isinstance(tc.eval_task_limit, int) or tc.eval_task_limit < 1):
         p.append(f"train.eval_task_limit must be an integer >= 1 (items per task at each eval), got "
                  f"{tc.eval_task_limit!r}")
-    zero = tc.deepspeed.get("zero_optimization") if isinstance(tc.deepspeed, dict) else None
-    stage = zero.get("stage", tc.zero_stage) if isinstance(zero, dict) else tc.zero_stage
-    if tc.eval_tasks and (tc.backend == "fsdp" or (tc.backend == "deepspeed" and stage == 3)):
-        p.append(f"train.eval_tasks with train.backend={tc.backend}" + (" at ZeRO stage 3" if stage == 3 and
-                 tc.backend == "deepspeed" else "") + ": the lm-eval adapter reads the LM head's weight outside its "
-                 "module's forward, which sharded parameters do not allow; use backend single, ddp or deepspeed "
-                 "ZeRO 1-2, or score the checkpoints with `grt eval RUN eval.tasks=[...]`")
     return p
