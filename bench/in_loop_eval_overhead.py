@@ -20,7 +20,7 @@ from pathlib import Path
 from pipeline.config import TrainConfig
 from pipeline.config import from_dict
 from pipeline.tokenize import tokenize
-from pipeline.train.trainer import train
+from pipeline.train.trainer import train as train_run
 
 WORDS = ("the gate decides how much of the state is kept while the shared core proposes an update and the prelude "
          "anchors every step so that depth can grow without new weights").split()
@@ -35,25 +35,31 @@ def corpus(root: Path, n_docs: int = 90) -> Path:
     return root
 
 
-def measure(tmp: Path, steps: int, eval_batches: int, threads: int) -> dict:
-    eval_every = max(1, steps // 2)
+def tiny_run(tmp: Path, steps: int, threads: int, train: dict, eval_section: dict | None = None) -> tuple:
+    """Tokenize the tiny corpus and train the tiny GRT for ``steps`` (evaluating twice) with the ``train`` keys over
+    the defaults; its console output to stderr. Returns (cfg, metrics.jsonl rows, median step seconds)."""
     recipe = {
-        "name": "ile", "seed": 7, "out_dir": str(tmp / "runs"),
+        "name": "bench", "seed": 7, "out_dir": str(tmp / "runs"),
         "model": {"type": "grt", "block_size": 32, "d_model": 32, "n_head": 2, "n_prelude": 1, "n_core": 1,
                   "n_coda": 1, "n_recurrence": 3},
         "data": {"sources": [{"kind": "files", "paths": [str(corpus(tmp / "corpus") / "*.txt")]}],
                  "dataset_dir": str(tmp / "dataset"), "val_fraction": 0.2, "shard_tokens": 4096},
         "train": {"device": "cpu", "micro_batch_size": 4, "grad_accum_steps": 2, "max_steps": steps, "lr": 1e-3,
-                  "warmup_steps": 1, "log_interval": 1, "eval_interval": eval_every, "eval_batches": eval_batches,
-                  "checkpoint_interval": steps, "eval_exits": True, "threads": threads},
+                  "warmup_steps": 1, "log_interval": 1, "eval_interval": max(1, steps // 2),
+                  "checkpoint_interval": steps, "threads": threads, **train},
+        "eval": eval_section or {},
         "tracking": {"enabled": False},
     }
     cfg = from_dict(recipe)
     with contextlib.redirect_stdout(sys.stderr):
         tokenize(cfg.data, quiet=True)
-        train(cfg)
+        train_run(cfg)
     rows = [json.loads(line) for line in (cfg.run_dir / "metrics.jsonl").read_text().splitlines()]
-    step_s = statistics.median(r["step_time_s"] for r in rows if "step_time_s" in r)
+    return cfg, rows, statistics.median(r["step_time_s"] for r in rows if "step_time_s" in r)
+
+
+def measure(tmp: Path, steps: int, eval_batches: int, threads: int) -> dict:
+    _, rows, step_s = tiny_run(tmp, steps, threads, {"eval_batches": eval_batches, "eval_exits": True})
     evals = [r for r in rows if "exit_eval_s" in r]
     eval_s = statistics.median(r["exit_eval_s"] for r in evals)
     interval = TrainConfig().eval_interval

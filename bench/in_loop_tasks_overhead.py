@@ -10,40 +10,19 @@ Prints one JSON object (the run's console output goes to stderr).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import statistics
-import sys
 import tempfile
 from pathlib import Path
 
-from bench.in_loop_eval_overhead import corpus
+from bench.in_loop_eval_overhead import tiny_run
 from pipeline.config import TrainConfig
-from pipeline.config import from_dict
-from pipeline.tokenize import tokenize
 from pipeline.train.in_loop_tasks_check import DEFAULT_LIMIT
-from pipeline.train.trainer import train
 
 
 def measure(tmp: Path, data: Path, tasks: list[str], steps: int, threads: int) -> dict:
-    recipe = {
-        "name": "ilt", "seed": 7, "out_dir": str(tmp / "runs"),
-        "model": {"type": "grt", "block_size": 32, "d_model": 32, "n_head": 2, "n_prelude": 1, "n_core": 1,
-                  "n_coda": 1, "n_recurrence": 3},
-        "data": {"sources": [{"kind": "files", "paths": [str(corpus(tmp / "corpus") / "*.txt")]}],
-                 "dataset_dir": str(tmp / "dataset"), "val_fraction": 0.2, "shard_tokens": 4096},
-        "train": {"device": "cpu", "micro_batch_size": 4, "grad_accum_steps": 2, "max_steps": steps, "lr": 1e-3,
-                  "warmup_steps": 1, "log_interval": 1, "eval_interval": max(1, steps // 2), "eval_batches": 2,
-                  "checkpoint_interval": steps, "eval_tasks": tasks, "threads": threads},
-        "eval": {"task_data_dir": str(data)},
-        "tracking": {"enabled": False},
-    }
-    cfg = from_dict(recipe)
-    with contextlib.redirect_stdout(sys.stderr):
-        tokenize(cfg.data, quiet=True)
-        train(cfg)
-    rows = [json.loads(line) for line in (cfg.run_dir / "metrics.jsonl").read_text().splitlines()]
-    step_s = statistics.median(r["step_time_s"] for r in rows if "step_time_s" in r)
+    cfg, rows, step_s = tiny_run(tmp, steps, threads, {"eval_batches": 2, "eval_tasks": tasks},
+                                 {"task_data_dir": str(data)})
     evals = [r["task_eval_s"] for r in rows if "task_eval_s" in r]
     interval = TrainConfig().eval_interval
     return {"device": "cpu", "threads": threads, "tasks": tasks, "limit": cfg.train.eval_task_limit or DEFAULT_LIMIT,
