@@ -183,6 +183,13 @@ def test_branch_overrides_are_honoured_or_refused(tmp_path, corpus):
     assert cfg.model.depth_schedule == [[5, 2]] and cfg.train.max_steps == 7
     with pytest.raises(ValueError, match="model cannot change"):
         branch_recipe(run, 4, 3, "b4", ["model.d_model=64"])
+    # a start killed before it wrote anything leaves only the run lock: begun again; a started one is refused
+    (tmp_path / "runs" / "b5").mkdir()
+    (tmp_path / "runs" / "b5" / ".lock").write_text("")
+    assert branch_recipe(run, 4, 3, "b5", []).name == "b5"
+    (tmp_path / "runs" / "b5" / "recipe.yaml").write_text("")
+    with pytest.raises(FileExistsError, match="was started already"):
+        branch_recipe(run, 4, 3, "b5", [])
 
 
 @pytest.mark.slow

@@ -65,6 +65,12 @@ def test_planned_cost_of_both_phi_sweeps_against_a_hand_count(capsys):
     assert row["steps"] == 12 and row["train_flops"] == 12 * tokens_per_step * 3 * forward
     stable = next(x for x in br["runs"] if x["name"] == "phi-branched-r2-d64")
     assert stable["train_flops"] == 180 * tokens_per_step * 3 * forward and stable["checkpoints"] == 2  # 48 and 180
+    # a batch ramp: each stage's tokens (by hand: accumulation 2 for steps 1-10, then quickstart's 1)
+    from pipeline.studies.sweep_cost import run_cost
+
+    ramp = load("train.decay_fraction=0.2", "train.batch_ramp=[[10, 2]]")
+    assert run_cost(ramp, "ramp", 0, 180, "run")["tokens"] == (10 * 2 + 170 * 1) * 8 * 128
+    assert run_cost(ramp, "ramp", 48, 60, "branch")["tokens"] == 12 * 8 * 128
     # the same 16 evaluations and final validations either way
     assert ind["total"]["evaluations"] == br["total"]["evaluations"] == 16
     assert ind["total"]["validations"] == br["total"]["validations"] == 16

@@ -68,6 +68,10 @@ def test_eval_tasks_refusals(tmp_path, corpus):
     msg = str(e.value)
     assert "train.eval_tasks: unknown task 'piqaa' — did you mean 'piqa'?" in msg
     assert "train.eval_task_limit must be an integer >= 1" in msg
+    for train, said in (({"eval_tasks": "piqa"}, "train.eval_tasks must be a list of task names"),
+                        ({"eval_task_limit": 5}, "train.eval_task_limit only applies to train.eval_tasks")):
+        with pytest.raises(RecipeError, match=said):
+            from_dict(tiny_recipe(tmp_path, corpus, train=train))
     data = make_task_data(tmp_path / "eval", n=2)
     (data / "piqa/original/valid-labels.lst").unlink()
     cfg = from_dict(tiny_recipe(tmp_path, corpus, train={"eval_tasks": ["piqa"]}, eval={"task_data_dir": str(data)}))

@@ -71,6 +71,15 @@ def test_the_decision_against_a_hand_computed_window():
     assert [r.judge(i + 1, x, 0, 8) for i, x in enumerate([5.0, 4.0, 4.5, 9.0, 9.0])][3:] == ["skip", "rollback"]
     r.rolled_back({"window": [5.0, 4.0, 4.5], "in_a_row": 0})
     assert r.judge(4, 9.0, 0, 8) == "stop"
+    # null means 20, so that a recipe saved before the key existed reads as unchanged on resume (and in grt sweep)
+    from dataclasses import asdict
+
+    from pipeline.train.run_folder import recipe_changes
+    now = {"train": {"spike": asdict(SpikeConfig())}}
+    before = {"train": {"spike": {k: v for k, v in now["train"]["spike"].items() if k != "max_consecutive"}}}
+    assert recipe_changes(before, now) == [] and SpikeGuard(SpikeConfig()).max_consecutive == 20
+    assert "would stop the run before any rollback" in " ".join(
+        SpikeConfig(action="rollback", rollback_after=3, max_consecutive=3).validate("single"))
     # DeepSpeed cannot drop an update its engine has counted: skip and rollback refused, stop allowed
     assert [p.split(" with ")[0] for p in SpikeConfig(action="skip").validate("deepspeed")] == [
         "train.spike.action=skip"]

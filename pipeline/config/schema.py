@@ -137,11 +137,19 @@ class SpikeConfig:
     min_steps: int = 20
     rollback_after: int = 3
     rollback_within: int = 100
-    max_consecutive: int = 20  # this many spikes in a row stop the run: the loss moved, and the window cannot follow
+    # this many spikes in a row stop the run: the loss moved, and the window cannot follow. null: 20 (null, so that
+    # a recipe saved before the key existed reads as unchanged)
+    max_consecutive: Optional[int] = None
 
     def validate(self, backend: str) -> list[str]:
         p = choice("train.spike.action", self.action, ["off", "skip", "rollback", "stop"])
-        p += at_least(self, "train.spike", ("window", "rollback_after", "rollback_within", "max_consecutive"), 1)
+        p += at_least(self, "train.spike", ("window", "rollback_after", "rollback_within"), 1)
+        if self.max_consecutive is not None and not (isinstance(self.max_consecutive, int) and self.max_consecutive
+                                                     >= 1):
+            p.append(f"train.spike.max_consecutive must be an integer >= 1 or null (20), got {self.max_consecutive!r}")
+        elif self.action == "rollback" and (self.max_consecutive or 20) <= self.rollback_after:
+            p.append(f"train.spike.max_consecutive={self.max_consecutive or 20} is not above rollback_after="
+                     f"{self.rollback_after}: spikes in a row would stop the run before any rollback; raise it")
         p += at_least(self, "train.spike", ("min_steps",), 2)
         if self.min_steps > self.window:
             p.append(f"train.spike.min_steps={self.min_steps} is more than train.spike.window={self.window}: the "

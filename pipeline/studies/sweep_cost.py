@@ -38,17 +38,15 @@ def checkpoints(tc, start: int, end: int) -> int:
 def run_cost(cfg, name: str, start: int, end: int, kind: str) -> dict:
     """One run's (or branch's: ``start`` its branch point) planned cost from step ``start`` to ``end``."""
     from pipeline.model.registry import model_class
+    from pipeline.train.curriculum import tokens_through
 
     tc, m = cfg.train, cfg.model
-    if tc.batch_ramp:
-        raise ValueError(f"{name}: train.batch_ramp changes the tokens of each step; the plan counts fixed batches")
-    per_step = tc.micro_batch_size * tc.grad_accum_steps * m.block_size
-    steps = end - start
+    steps, tokens = end - start, tokens_through(cfg, end) - tokens_through(cfg, start)  # a batch ramp's stages too
     n_val = validations(start, end, tc.eval_interval)
     val_tokens = n_val * tc.eval_batches * tc.micro_batch_size * m.block_size
     fwd = model_class(m.type).flops_per_token(m, None, with_head=True)
-    return {"name": name, "kind": kind, "steps": steps, "tokens": steps * per_step,
-            "train_flops": steps * per_step * train_flops_per_token(m), "validations": n_val,
+    return {"name": name, "kind": kind, "steps": steps, "tokens": tokens,
+            "train_flops": tokens * train_flops_per_token(m), "validations": n_val,
             "validation_tokens": val_tokens, "validation_flops": val_tokens * fwd, "evaluations": 1,
             "eval_val_tokens": cfg.eval.val_tokens, "checkpoints": checkpoints(tc, start, end)}
 

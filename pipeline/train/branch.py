@@ -83,7 +83,8 @@ def branch_recipe(run: str, step: int, decay_steps: int, name: str | None, overr
         raise RecipeError(problems, "grt branch")
     name = name or f"{parent}-decay{decay_steps}@{step}"
     target = Path(data.get("out_dir", "runs")) / name
-    if target.exists():
+    started = (target / "recipe.yaml").exists() or (target / "checkpoints").exists()
+    if started:  # (a folder with only the run lock: a start killed before it wrote anything, begun again here)
         raise FileExistsError(f"{target} exists: a branch named {name} was started already (resume it with `grt "
                               f"train {target / 'recipe.yaml'}`), or choose another --name")
     parent_id = parent_run_id(run_dir)

@@ -176,7 +176,12 @@ class InLoopEval:
     def _fit_budget(self, eval_s: float, train_s: float, n_batches: int) -> None:
         """train.eval_budget: fewer batches next time when this eval took more than its share (said once)."""
         share = self.cfg.train.eval_budget
-        if share is None or n_batches == 0 or eval_s <= share * train_s:
+        if share is None:
+            return
+        # every rank the same decision (each its own clock): else the ranks would score different batch counts, and
+        # under FSDP / ZeRO-3 their forwards would no longer pair up
+        eval_s, train_s = self.backend.reduce_max(eval_s), self.backend.reduce_max(train_s)
+        if n_batches == 0 or eval_s <= share * train_s:
             return
         per_batch = eval_s / n_batches
         fit = max(self.backend.world_size, int(share * train_s / per_batch))

@@ -81,8 +81,16 @@ class InLoopTasks:
         self.cfg, self.backend = cfg, trainer.backend
         self.tasks = list(cfg.train.eval_tasks)
         self.limit = cfg.train.eval_task_limit or DEFAULT_LIMIT
-        # before training starts: lm-eval imports and the data folder holds every task's files (one line if not)
-        self.data_dir = str(check_task_inputs(self.tasks, cfg.eval.task_data_dir))
+        # before training starts: lm-eval imports and the data folder holds every task's files (one line if not),
+        # on every rank, agreed: a file missing on one node stops all ranks here rather than leave them waiting
+        error = None
+        try:
+            self.data_dir = str(check_task_inputs(self.tasks, cfg.eval.task_data_dir))
+        except (LookupError, OSError) as e:
+            error = e
+        if not self.backend.all_true(error is None, patient=True):
+            raise error or FileNotFoundError("train.eval_tasks: another rank cannot read its task files (its error "
+                                             "names them); give every node the task data folder")
         self.depths = list(cfg.eval.task_depths) or [model_class(cfg.model.type).full_depth(cfg.model)]
 
     def run(self, trainer) -> dict:

@@ -10,6 +10,11 @@ DEFAULT_LIMIT = 100  # items per task when train.eval_task_limit is null (docs/e
 def eval_task_problems(tc, local_tasks: tuple[str, ...]) -> list[str]:
     """train.eval_tasks / eval_task_limit checked with the recipe (the data files: when the trainer starts)."""
     p = []
+    if tc.eval_tasks is not None and not isinstance(tc.eval_tasks, list):
+        return [f"train.eval_tasks must be a list of task names (e.g. [piqa, arc_easy]) or null, got "
+                f"{tc.eval_tasks!r}"]
+    if tc.eval_task_limit is not None and not tc.eval_tasks:
+        p.append("train.eval_task_limit only applies to train.eval_tasks (none listed); remove it or list tasks")
     for t in tc.eval_tasks or []:
         if t not in local_tasks:
             near = difflib.get_close_matches(str(t), local_tasks, n=1)

@@ -19,6 +19,8 @@ import statistics
 from collections import deque
 from pathlib import Path
 
+MAX_CONSECUTIVE = 20  # train.spike.max_consecutive when null
+
 
 class LossSpikeError(FloatingPointError):
     """``train.spike.action=stop``: a spike stopped the run (one line, printed by the CLI)."""
@@ -41,6 +43,7 @@ class SpikeGuard:
         self.pending: list[tuple[int, int, int]] = []  # (step, loader position, samples) to skip when it gets there
         self.rollbacks = 0  # rollbacks so far in this run (kept over the reload)
         self.in_a_row = 0  # spikes since the last step whose update was taken (kept over the reload)
+        self.max_consecutive = cfg.max_consecutive or MAX_CONSECUTIVE
 
     # ------------------------------------------------------------------------------------------ decisions
     def stats(self) -> tuple[float, float]:
@@ -57,7 +60,7 @@ class SpikeGuard:
             mean, std = self.stats()
             if loss > mean + self.cfg.threshold * std:
                 self.in_a_row += 1
-                if self.in_a_row >= self.cfg.max_consecutive:  # the window cannot follow a level shift: never skip
+                if self.in_a_row >= self.max_consecutive:  # the window cannot follow a level shift: never skip
                     return "stop"                               # every step for ever
                 if self.cfg.action != "rollback":
                     return self.cfg.action
@@ -72,7 +75,7 @@ class SpikeGuard:
         """The one line that says a decision: the step, its loss, and the window it was judged against."""
         mean, std = self.stats()
         if decision == "stop" and self.cfg.action != "stop":
-            what = (f"{self.in_a_row} spikes in a row (train.spike.max_consecutive={self.cfg.max_consecutive}): "
+            what = (f"{self.in_a_row} spikes in a row (train.spike.max_consecutive={self.max_consecutive}): "
                     f"stopping before its update")
         else:
             what = {"skip": "its update skipped", "stop": "stopping before its update",
@@ -165,7 +168,7 @@ class SpikeGuard:
                 raise LossSpikeError(f"loss spike at step {step}: {self.in_a_row} steps in a row spiked above the "
                                      f"window's mean {mean:.4f} + {self.cfg.threshold:g} x std {std:.4f}, so the loss "
                                      f"moved and the window cannot follow (train.spike.max_consecutive="
-                                     f"{self.cfg.max_consecutive}); stopped before its update. Raise "
+                                     f"{self.max_consecutive}); stopped before its update. Raise "
                                      f"train.spike.threshold, or resume from {newest} with a lower train.lr")
             raise LossSpikeError(f"loss spike at step {step}: loss {loss:.4f} against the window's mean {mean:.4f} "
                                  f"and std {std:.4f} (train.spike.threshold={self.cfg.threshold:g}); stopped before "
