@@ -43,9 +43,12 @@ setup(
         "transformers>=5.0,<6",
         "psutil>=5.9",  # rank-0 peak memory of checkpoint saves
         "scipy>=1.11,<2",  # `grt fit-phi`: the robust least-squares fit of the recurrence-equivalence law
+        # s3:// run and dataset folders through fsspec (docs/object-storage.md); brings aiobotocore, no torch
+        "s3fs>=2024.6",
     ],
     # triton: CUDA torch wheels bring their own; the CPU tests run the kernels in Triton's interpreter.
     # ruff: `make lint`, pinned so that a new release's rules do not fail an unchanged tree
-    extras_require={"test": ["pytest>=8,<10", "triton>=3.2,<4", "ruff==0.17.6"]},
+    # moto[server]: a real S3-compatible HTTP server the object-storage tests start on 127.0.0.1 (conditional writes)
+    extras_require={"test": ["pytest>=8,<10", "triton>=3.2,<4", "ruff==0.17.6", "moto[server]>=5.0.20,<6"]},
     entry_points={"console_scripts": ["grt=pipeline.cli:main"]},
 )

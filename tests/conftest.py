@@ -1,6 +1,7 @@
 """Shared fixtures: a tiny corpus written on the fly and tiny recipes, so every test runs on a fresh clone."""
 from __future__ import annotations
 
+import contextlib
 import inspect
 import json
 import os
@@ -222,16 +223,27 @@ def launched_recipe(tmp: Path, **train) -> Path:
     return path
 
 
-@pytest.fixture(scope="module")
-def one_thread():
-    """Tiny (float64) ops: a second intra-op thread only adds synchronisation, ~10x slower on a loaded 2-core box.
-    Use with ``pytestmark = pytest.mark.usefixtures("one_thread")``."""
+@contextlib.contextmanager
+def single_thread():
+    """One intra-op thread inside the block, as a launched process has (``subprocess_env``: OMP_NUM_THREADS=1). A
+    reference trained in the test's process that a launched run must equal bit for bit needs it: with two threads,
+    MKL's GEMMs may split their work differently on a loaded machine and move the last bits of a loss."""
     import torch
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny (float64) ops: a second intra-op thread only adds synchronisation, ~10x slower on a loaded 2-core box.
+    Use with ``pytestmark = pytest.mark.usefixtures("one_thread")``."""
+    with single_thread():
+        yield
 
 
 def step_values(run_dir: Path, key: str) -> dict[int, float]:

@@ -192,6 +192,24 @@ def test_branch_overrides_are_honoured_or_refused(tmp_path, corpus):
         branch_recipe(run, 4, 3, "b5", [])
 
 
+def test_the_stable_run_is_named_by_folder_or_by_name(tmp_path, corpus, monkeypatch):
+    """`grt branch NAME` finds runs/NAME from the working folder as `grt compare` does; a name that is neither a run
+    folder nor under runs/ is refused naming both places (not "no checkpoint at step S, it has none")."""
+    import yaml
+
+    recipe = tiny_recipe(tmp_path, corpus, out_dir="runs")
+    recipe["train"].update(max_steps=10, warmup_steps=1, lr_schedule="wsd", decay_steps=2)
+    step = tmp_path / "runs" / "tiny" / "checkpoints" / "step_00000004"
+    step.mkdir(parents=True)
+    (step / "state.pt").write_bytes(b"")
+    (step / "recipe.yaml").write_text(yaml.safe_dump(recipe))
+    monkeypatch.chdir(tmp_path)
+    cfg = branch_recipe("tiny", 4, 3, None, [])
+    assert cfg.name == "tiny-decay3@4" and cfg.train.branch_from == str(step.resolve())
+    with pytest.raises(FileNotFoundError, match=r"^tinny is not a run folder .* runs/tinny/checkpoints exists"):
+        branch_recipe("tinny", 4, 3, None, [])
+
+
 @pytest.mark.slow
 def test_a_two_rank_fsdp_branch_continues_its_stable_run_exactly(tmp_path):
     """FSDP over gloo, 2 ranks (torchrun): `grt branch` from a sharded checkpoint restores the sharded weights,

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from conftest import single_thread
 from conftest import step_losses
 from conftest import subprocess_env
 from conftest import tiny_recipe
@@ -182,7 +183,8 @@ def test_a_lock_left_by_a_dead_job_is_taken_over_with_a_message(recipe, tmp_path
 # --------------------------------------------------------------------------------------------- signals
 def test_sigint_at_a_known_step_saves_exits_130_and_resumes_exactly(recipe, tmp_path):
     path = write_recipe(tmp_path, recipe)
-    Trainer(from_dict({**recipe, "name": "ref"})).fit()  # the uninterrupted reference, in this process
+    with single_thread():  # the uninterrupted reference, in this process, on one thread as the launched runs
+        Trainer(from_dict({**recipe, "name": "ref"})).fit()
     cmd = [sys.executable, "-m", "pipeline.cli", "train", str(path)]
     p = subprocess.run(cmd, cwd=REPO, env=subprocess_env(GRT_FAULT_SIGNAL_AT_STEP="3:SIGINT"), capture_output=True,
                        text=True, timeout=300)

@@ -49,6 +49,11 @@ def branch_recipe(run: str, step: int, decay_steps: int, name: str | None, overr
     from pipeline.train.checkpoint import list_checkpoints
 
     run_dir = Path(run)
+    if not (run_dir / "checkpoints").is_dir() and (Path("runs") / run / "checkpoints").is_dir():
+        run_dir = Path("runs") / run  # a run's name, as grt compare takes it
+    if not (run_dir / "checkpoints").is_dir():
+        raise FileNotFoundError(f"{run} is not a run folder with checkpoints (neither {run}/checkpoints nor "
+                                f"runs/{run}/checkpoints exists); give the stable run's folder, e.g. runs/NAME")
     folder = run_dir / "checkpoints" / f"step_{step:08d}"
     have = [int(c.name.split("_")[1]) for c in list_checkpoints(run_dir / "checkpoints")]
     if step not in have:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 def register(sub) -> None:
     s = sub.add_parser("branch", help="a new run decaying the learning rate from a stable run's checkpoint")
-    s.add_argument("run", help="the stable run's folder (runs/NAME)")
+    s.add_argument("run", help="the stable run's folder (runs/NAME), or its name")
     s.add_argument("--at", type=int, required=True, metavar="STEP", help="the checkpoint step to branch from")
     s.add_argument("--decay-steps", type=int, required=True, metavar="N", help="steps of decay to min_lr")
     s.add_argument("--name", default=None, help="the branch's run name (default: RUN-decayN@STEP)")
