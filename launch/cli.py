@@ -46,6 +46,9 @@ def add_launch_parser(sub) -> None:
     s.add_argument("--rendezvous-timeout", type=float, default=DEFAULT_TIMEOUT_S, metavar="S",
                    help="with --node-rank: seconds to wait for every node to meet before the launcher starts "
                         f"(default {DEFAULT_TIMEOUT_S}); a node missing then is named, with the likely cause")
+    s.add_argument("--max-restarts", type=int, default=0, metavar="N",
+                   help="torchrun: restart the worker group up to N times when a worker dies (c10d rendezvous); "
+                        "it resumes from the latest intact checkpoint, same MLflow run (docs/multi-node.md)")
     s.add_argument("--hostfile", default=None, help="deepspeed: hostfile (`host slots=G` lines)")
     s.add_argument("--hosts", default=None, help="deepspeed: comma-separated host names; a hostfile is written")
     s.add_argument("--gpu-mem", type=float, default=None, metavar="GB",
@@ -117,6 +120,10 @@ def write_files(paths: dict[str, str]) -> None:
 def cmd_launch(args) -> int:
     from pipeline.config import load_recipe
 
+    if args.recipe == "tokenize" and not Path("tokenize").is_file():  # `grt launch tokenize RECIPE`: a job array
+        from launch.tokenize_array import cmd_launch_tokenize
+
+        return cmd_launch_tokenize(args, default_setup, write_files)
     cfg = load_recipe(args.recipe, args.overrides, data=args.data)
     template = Path(args.template).read_text() if args.template else None
     try:
@@ -127,7 +134,7 @@ def cmd_launch(args) -> int:
                          data=args.data, hostfile=args.hostfile, hosts=args.hosts.split(",") if args.hosts else None,
                          setup=args.setup if args.setup is not None else default_setup(), grace_s=args.grace,
                          time=args.time, partition=args.partition, account=args.account,
-                         cpus_per_node=args.cpus_per_node)
+                         cpus_per_node=args.cpus_per_node, max_restarts=args.max_restarts)
     except PlanError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -81,9 +81,12 @@ def param_counts(model_cfg) -> ParamCounts:
 
 
 # ------------------------------------------------------------------------------------------------ model state
-def model_state_bytes(pc: ParamCounts, backend: str, zero_stage: int, world: int, bf16: bool) -> dict[str, float]:
-    """Parameters, gradients, optimizer state and extras per rank (see the module docstring's table)."""
-    P, N = pc.total, world
+def model_state_bytes(pc: ParamCounts, backend: str, zero_stage: int, world: int, bf16: bool,
+                      shard: int = 0) -> dict[str, float]:
+    """Parameters, gradients, optimizer state and extras per rank (see the module docstring's table). ``shard``:
+    FSDP's shard group size under HSDP (``train.fsdp_shard``; 0 = the world): the state divides by it, not by the
+    world, and the replicas hold the same shards."""
+    P, N = pc.total, ((shard or world) if backend == "fsdp" else world)
     c = 2 if bf16 else 4
     gathered = (pc.embed + pc.step + 2 * pc.block) * c + pc.step * 4  # FSDP2 / ZeRO-3 working set, see above
     if backend in ("single", "ddp"):
@@ -134,9 +137,12 @@ class MemoryPlan:
     world: int
     bf16: bool
     document_masking: bool = False  # data.document_masking: SDPA's mask per block (launch/memory_shapes.py)
+    shard: int = 0  # fsdp under HSDP (train.fsdp_shard): ranks per shard group; 0 = the world (flat FSDP)
 
     def label(self) -> str:
         b = f"deepspeed zero {self.zero_stage}" if self.backend == "deepspeed" else self.backend
+        if self.backend == "fsdp" and self.shard and self.shard != self.world:
+            b = f"fsdp HSDP (shard {self.shard} x replicate {self.world // self.shard})"
         return f"{b}, checkpointing {self.checkpointing}, micro-batch {self.micro_batch}"
 
 
@@ -157,7 +163,7 @@ def estimate(model_cfg, pc: ParamCounts, plan: MemoryPlan) -> Estimate:
     only the matmul-side tensors take the compute dtype."""
     a = 2 if plan.bf16 else 4
     s = 4
-    return Estimate(plan, model_state_bytes(pc, plan.backend, plan.zero_stage, plan.world, plan.bf16),
+    return Estimate(plan, model_state_bytes(pc, plan.backend, plan.zero_stage, plan.world, plan.bf16, plan.shard),
                     activation_bytes(model_cfg, plan.micro_batch, plan.checkpointing, a, s,
                                      document_masking=plan.document_masking))
 

@@ -23,7 +23,8 @@ class PlanError(ValueError):
     def __init__(self, problems: list[str]):
         self.problems = problems
         listed = "\n".join(f"  - {p}" for p in problems)
-        super().__init__(f"{len(problems)} problem(s) with the launch plan:\n{listed}")
+        super().__init__(f"launch plan: {problems[0]}" if len(problems) == 1 else
+                         f"{len(problems)} problem(s) with the launch plan:\n{listed}")
 
 
 def job_port(environ: dict, name: str) -> tuple[int, str]:
@@ -118,6 +119,7 @@ class Plan:
     time: str | None = None  # slurm --time
     partition: str | None = None
     account: str | None = None
+    max_restarts: int = 0  # torchrun --max-restarts (c10d rendezvous when > 0): restarts of the worker group
 
     @property
     def world_size(self) -> int:
@@ -139,7 +141,7 @@ def make_plan(*, launcher: str, nodes: int, gpus_per_node: int, recipe: str, ove
               master_port: int | None = None, node_rank: int | None = None, data: str | None = None,
               hostfile: str | None = None, hosts: list[str] | None = None, setup: str = "", grace_s: int = 300,
               time: str | None = None, partition: str | None = None, account: str | None = None,
-              cpus_per_node: int | None = None) -> Plan:
+              cpus_per_node: int | None = None, max_restarts: int = 0) -> Plan:
     """Check the launch options against each other and the recipe; raise :class:`PlanError` listing every problem."""
     p = []
     if launcher not in LAUNCHERS:
@@ -191,6 +193,12 @@ def make_plan(*, launcher: str, nodes: int, gpus_per_node: int, recipe: str, ove
             p.append(f"--cpus-per-node {cpus_per_node} is fewer than --gpus-per-node {gpus_per_node}: every rank needs "
                      f"a CPU of its own; give at least {gpus_per_node}, or leave it out to take whole nodes "
                      f"(--exclusive)")
+    if max_restarts < 0:
+        p.append(f"--max-restarts {max_restarts}: give 0 (no restart) or more")
+    elif max_restarts and launcher != "torchrun":
+        p.append(f"--max-restarts is for --launcher torchrun (its elastic agent restarts the group); {launcher} "
+                 + ("cannot restart a failed group: use --launcher torchrun (train.backend=deepspeed runs under it "
+                    "too)" if launcher == "deepspeed" else "requeues the job instead (--grace): drop --max-restarts"))
     if master_port is not None and not 1024 <= master_port <= 65535:
         p.append(f"--master-port {master_port}: choose a free port in 1024..65535")
     if launcher == "slurm" and any(c.isspace() for c in workdir + run_dir):
@@ -221,4 +229,4 @@ def make_plan(*, launcher: str, nodes: int, gpus_per_node: int, recipe: str, ove
                 name=name, backend=backend, run_dir=run_dir, workdir=workdir, master_port=port, port_source=source,
                 master_addr=master_addr or (None if nodes > 1 else "127.0.0.1"), node_rank=node_rank, data=data,
                 hostfile=hostfile, hosts=hosts, setup=setup, grace_s=grace_s, time=time, partition=partition,
-                account=account, cpus_per_node=cpus_per_node)
+                account=account, cpus_per_node=cpus_per_node, max_restarts=max_restarts)

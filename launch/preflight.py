@@ -26,6 +26,7 @@ from launch.memory_rows import activation_depth
 from pipeline.train.curriculum import describe as describe_curriculum
 from pipeline.train.curriculum import tokens_through
 from pipeline.train.curriculum import world_size_problems
+from pipeline.train.mesh import fsdp_shard_size
 
 ENV_VARS = ("MASTER_ADDR", "MASTER_PORT", "NCCL_SOCKET_IFNAME", "NCCL_IB_DISABLE", "NCCL_IB_HCA", "NCCL_DEBUG",
             "NCCL_P2P_DISABLE", "NCCL_ASYNC_ERROR_HANDLING", "TORCH_NCCL_ASYNC_ERROR_HANDLING", "GLOO_SOCKET_IFNAME",
@@ -84,7 +85,7 @@ def run_preflight(cfg, nodes: int = 1, gpus_per_node: int = 1, gpu_mem_gb: float
     if describe_curriculum(cfg, world):  # train.batch_ramp / model.depth_schedule, each stage
         rep.sections.append(("curriculum", describe_curriculum(cfg, world)))
     rep.problems += [f"batch: {p}" for p in world_size_problems(tc, world)]
-    pc = _check_memory(cfg, world, gpu_mem_gb, bf16, rep)
+    pc = _check_memory(cfg, world, gpu_mem_gb, bf16, rep, gpus_per_node)
     if check_data:
         _check_data(cfg, tokens_per_step, rep)
     else:
@@ -140,7 +141,7 @@ def _table(est: memory.Estimate) -> list[str]:
     return lines
 
 
-def _check_memory(cfg, world: int, gpu_mem_gb: float | None, bf16: bool, rep: Report):
+def _check_memory(cfg, world: int, gpu_mem_gb: float | None, bf16: bool, rep: Report, gpus_per_node: int = 1):
     tc = cfg.train
     pc = memory.param_counts(cfg.model)
     backend = tc.backend
@@ -152,8 +153,12 @@ def _check_memory(cfg, world: int, gpu_mem_gb: float | None, bf16: bool, rep: Re
         rep.problems.append(f"checkpointing: train.activation_checkpointing=core_step checkpoints one recurrence step "
                             f"(model.recur) and model.type={cfg.model.type} has none; set "
                             f"train.activation_checkpointing=blocks (estimated below as none)")
+    shard, problem = fsdp_shard_size(tc.fsdp_shard, world, gpus_per_node) if backend == "fsdp" else (0, None)
+    if problem:
+        rep.problems.append(f"mesh: {problem} (estimated below as fsdp_shard=world)")
     plan = MemoryPlan(backend, tc.zero_stage if backend == "deepspeed" else 0, tc.activation_checkpointing,
-                      tc.micro_batch_size, tc.grad_accum_steps, world, bf16, cfg.data.document_masking)
+                      tc.micro_batch_size, tc.grad_accum_steps, world, bf16, cfg.data.document_masking,
+                      shard=0 if shard == world else shard)
     est = memory.estimate(cfg.model, pc, plan)
     depth, counts = activation_depth(cfg.model)
     lines = [f"{pc.total / 1e6:,.1f}M unique parameters; activations of model.type={cfg.model.type} at depth "

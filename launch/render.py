@@ -1,6 +1,7 @@
 """A :class:`~launch.plan.Plan` -> the exact commands and files of each launcher (pure: no I/O, no environment).
 
-- torchrun: static rendezvous, one command per node (``--node_rank K``; the c10d rendezvous would ignore it);
+- torchrun: static rendezvous, one command per node (``--node_rank K``; the c10d rendezvous would ignore it); with
+  ``--max-restarts N`` the c10d rendezvous, which can restart the group (:func:`torchrun_command`);
 - deepspeed: one command on node 0 that starts every node over ssh (pdsh) from a hostfile, with the variables the
   remote ranks need in a ``.deepspeed_env`` file; or, without ssh, one ``--no_ssh --node_rank K`` command per node;
 - slurm: an sbatch script from ``launch/templates/sbatch.sh``: one task per node, each running one torchrun.
@@ -61,9 +62,24 @@ def train_args(plan: Plan) -> list[str]:
 
 
 def torchrun_command(plan: Plan, node_rank: int) -> Command:
-    return Command(["torchrun", "--nnodes", str(plan.nodes), "--nproc_per_node", str(plan.gpus_per_node),
-                    "--node_rank", str(node_rank), "--master_addr", plan.master_addr, "--master_port",
-                    str(plan.master_port), "-m", *train_args(plan)], node=node_rank)
+    """Static rendezvous (``--node_rank K``); with ``--max-restarts N`` the c10d rendezvous instead, the same command
+    on every node: a static rendezvous never tells a node whose workers are healthy that another node's group
+    restarts (its ``num_nodes_waiting`` is always 0), so only the failed node would restart and the group would
+    hang; c10d's store (hosted by the agent on the endpoint's host) does, and ranks are handed out anew each round.
+
+    ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``: the workers of each round meet in a new store that their rank 0 hosts
+    (on a free port of its node), not in the agents' store. torch 2.13's shared store keeps every round's keys
+    unprefixed, so a restarted round's gloo/NCCL setup would read the dead round's addresses and fail."""
+    env = {}
+    if plan.max_restarts:
+        rdzv = ["--rdzv_backend", "c10d", "--rdzv_endpoint", f"{plan.master_addr}:{plan.master_port}",
+                "--rdzv_id", plan.name, "--max_restarts", str(plan.max_restarts)]
+        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    else:
+        rdzv = ["--node_rank", str(node_rank), "--master_addr", plan.master_addr, "--master_port",
+                str(plan.master_port)]
+    return Command(["torchrun", "--nnodes", str(plan.nodes), "--nproc_per_node", str(plan.gpus_per_node), *rdzv,
+                    "-m", *train_args(plan)], node=node_rank, env=env)
 
 
 def hostfile_path(plan: Plan) -> str:
@@ -182,7 +198,9 @@ def files(plan: Plan, environ: dict, template: str | None = None) -> dict[str, s
 
 def describe(plan: Plan, environ: dict, template: str | None = None) -> str:
     """What ``grt launch --dry-run`` prints: the plan, every file's text, every node's command."""
-    how = {"torchrun": "torchrun, static rendezvous", "slurm": "sbatch, one torchrun per node",
+    static = (f"c10d rendezvous, at most {plan.max_restarts} restart(s) of the group" if plan.max_restarts
+              else "static rendezvous")
+    how = {"torchrun": f"torchrun, {static}", "slurm": "sbatch, one torchrun per node",
            "deepspeed": ("deepspeed, one command per node (--no_ssh)" if plan.per_node or plan.nodes == 1
                          else "deepspeed, node 0 starts every node over ssh (pdsh)")}[plan.launcher]
     if plan.launcher == "slurm":

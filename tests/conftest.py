@@ -18,6 +18,7 @@ import pytest
 import zstandard
 
 from pipeline.config import from_dict
+from s3_server import s3_server  # noqa: F401  (the moto S3 server fixture, for every test module)
 
 SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 TESTS = Path(__file__).resolve().parent

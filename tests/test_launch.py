@@ -610,6 +610,8 @@ def test_slurm_script_saves_on_sigterm_requeues_and_resumes(nodes):
     assert f"rendezvous 127.0.0.1:{PORT_BASE + SLURM_JOB_ID % PORT_SPAN}" in first  # 31500, by the bash formula
     assert nodes["interrupted_at"] < STEPS, "the run ended before SIGTERM arrived: nothing was interrupted"
     assert second.returncode == 0, (second.stdout + second.stderr)[-4000:]
+    # the resume rule of torchrun's restarts too (pipeline/train/relaunch.py; tests/test_elastic_restart.py)
+    assert f"requeue 1: resumed from step_{nodes['interrupted_at']:08d}" in second.stdout, second.stdout[-4000:]
     ckpts = sorted(p.name for p in (nodes["runs"] / "slurm" / "checkpoints").iterdir())
     assert f"step_{nodes['interrupted_at']:08d}" in ckpts  # the SIGTERM checkpoint (the interval is 1000)
     ref, got = step_losses(nodes["runs"] / "ref"), step_losses(nodes["runs"] / "slurm")

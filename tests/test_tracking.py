@@ -48,13 +48,14 @@ class MlflowServer:
     def __init__(self, root: Path):
         self.root, self.port, self.proc = root, free_port(), None
         self.uri = f"http://127.0.0.1:{self.port}"
+        self.artifacts = str(root / "artifacts")  # or an s3:// URL (tests/test_storage_mlflow.py)
 
     def start(self, timeout: float = 180) -> None:
         env = dict(os.environ, OMP_NUM_THREADS="1", MLFLOW_SERVER_ENABLE_JOB_EXECUTION="false")
         log = open(self.root / "server.log", "ab")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", f"sqlite:///{self.root / 'mlflow.db'}",
-             "--artifacts-destination", str(self.root / "artifacts"), "--host", "127.0.0.1", "--port",
+             "--artifacts-destination", self.artifacts, "--host", "127.0.0.1", "--port",
              str(self.port), "--workers", "1", "--allowed-hosts", "127.0.0.1:*"],  # "localhost" is refused
             stdout=log, stderr=log, env=env, start_new_session=True)
         deadline = time.monotonic() + timeout

@@ -4,6 +4,7 @@ from __future__ import annotations
 from pipeline.config.recipe_files import folder_problem
 from pipeline.config.recipe_files import sqlite_file
 from pipeline.config.schema import RunConfig
+from pipeline.runtime import storage
 
 
 def path_problems(cfg: RunConfig) -> list[str]:
@@ -14,6 +15,9 @@ def path_problems(cfg: RunConfig) -> list[str]:
         folders.append(("eval.task_data_dir", cfg.eval.task_data_dir))
     if sqlite_file(cfg.tracking.uri) is not None:  # the MLflow database file's folder
         folders.append(("tracking.uri", sqlite_file(cfg.tracking.uri).parent, cfg.tracking.uri))
+    if storage.is_remote(cfg.out_dir):  # the trainer's run folder is a local path still (docs/object-storage.md)
+        return [f"out_dir={cfg.out_dir!r}: run folders on object storage are not supported by the trainer yet; set "
+                "out_dir to a local or shared-filesystem folder (docs/object-storage.md)"]
     problems = [p for key, path, *value in folders if (p := folder_problem(key, path, *value))]
     if len(problems) > 1 and problems[0].startswith("out_dir=") and problems[1].startswith("out_dir/name="):
         del problems[1]  # the same file in the way

@@ -166,6 +166,9 @@ class SpikeConfig:
 @dataclass
 class TrainConfig:
     backend: str = "single"  # single | ddp | fsdp | deepspeed (launch the last three with torchrun)
+    # fsdp: world (shard over all ranks) | node (shard within a node, replicate across nodes: HSDP) | N ranks per
+    # shard group; see pipeline/train/mesh.py
+    fsdp_shard: object = "world"
     zero_stage: int = 1  # deepspeed: ZeRO stage 0..3
     deepspeed: dict = field(default_factory=dict)  # deepspeed: raw config merged over the generated one
     activation_checkpointing: str = "none"  # none | core_step (each recurrence step) | blocks (every block)
@@ -236,6 +239,11 @@ class TrainConfig:
 
     def validate(self) -> list[str]:
         p = choice("train.backend", self.backend, ["single", "ddp", "fsdp", "deepspeed"])
+        fs = self.fsdp_shard
+        if fs not in ("world", "node") and (not isinstance(fs, int) or isinstance(fs, bool) or fs < 1):
+            p.append(f"train.fsdp_shard must be world, node or a positive number of ranks per shard group, got {fs!r}")
+        elif self.fsdp_shard != "world" and self.backend != "fsdp":
+            p.append(f"train.fsdp_shard={self.fsdp_shard} shards FSDP2 only; set train.backend=fsdp or remove it")
         if self.eval_budget is not None and not 0 < self.eval_budget <= 1:
             p.append(f"train.eval_budget must be in (0, 1] (a share of training time) or null, got {self.eval_budget}")
         if self.eval_budget is not None and not self.eval_exits:

@@ -36,6 +36,7 @@ from pipeline.model import exits_are_layers
 from pipeline.model import model_class
 from pipeline.model import model_info
 from pipeline.model.registry import NOISY_TYPES
+from pipeline.tokenize.dataset_cache import local_dataset
 from pipeline.tokenize.tokenizers import trained_tokenizer
 from pipeline.tracking import open_tracker
 from pipeline.train.backend import autocast_dtype
@@ -91,7 +92,7 @@ def evaluate(path: str | Path, overrides: list[str] | None = None, quiet: bool =
     ref = model_class(cfg.model.type).full_depth(cfg.model)
     exits = exit_range(cfg)  # the in-loop eval (train.eval_exits) scores the same
     n_max = exits[-1]
-    val = TokenShards(cfg.data.training_datasets()[0][0], "val")
+    val = TokenShards(local_dataset(cfg.data.training_datasets()[0][0]), "val")  # s3://: the node cache's copy
     check_dataset_matches_model(val.manifest, cfg, f"the dataset at {val.dir}", trained_tokenizer(cfg, ckpt).identity())
     seq_len = ev.block_size or cfg.model.block_size  # eval.block_size: score at another context than trained
     lengths = sorted({cfg.model.block_size, *ev.context_lengths}) if ev.context_lengths else []

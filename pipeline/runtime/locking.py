@@ -6,7 +6,9 @@ record of the holder (host, pid, start time, command, Slurm job); a record found
 belongs to a job that died without releasing it, and is reported as taken over. On a filesystem without ``flock``
 (some parallel filesystems mounted without lock support) the lock falls back to creating ``FOLDER/.lock.excl``
 exclusively; a leftover one of a dead process on this host is taken over, one of another host must be removed by
-hand (the error says which file).
+hand (the error says which file). A folder on an object store (``s3://...``) always uses that exclusive create, as a
+conditional PUT (``If-None-Match: *``), so two jobs never both get it; as there is no flock, a job killed on another
+host leaves the lock object behind, to be deleted by hand (the error names it).
 
 :func:`locked_file` is the other mode: a blocking ``flock`` on one open file that several processes write (the
 tracking journal: the trainer and `grt track sync`), held only around each read or write.
@@ -22,6 +24,8 @@ import os
 import socket
 import sys
 from pathlib import Path
+
+from pipeline.runtime import storage
 
 LOCK_FILE = ".lock"
 FALLBACK_FILE = ".lock.excl"
@@ -55,7 +59,7 @@ def _read_record(fd_or_path) -> dict | None:
             os.lseek(fd_or_path, 0, os.SEEK_SET)
             text = os.read(fd_or_path, 1 << 16).decode(errors="replace")
         else:
-            text = Path(fd_or_path).read_text(errors="replace")
+            text = storage.read_bytes(fd_or_path).decode(errors="replace")
         return json.loads(text) if text.strip() else None
     except (OSError, ValueError):
         return None
@@ -75,7 +79,8 @@ class FolderLock:
     """``with FolderLock(folder, "run folder"):`` — or :meth:`acquire` / :meth:`release`. Creates the folder."""
 
     def __init__(self, folder: str | Path, what: str, fix: str = ""):
-        self.folder = Path(folder).resolve()
+        self.remote = storage.is_remote(folder)
+        self.folder = str(folder).rstrip("/") if self.remote else Path(folder).resolve()
         self.what, self.fix = what, fix
         self._fd: int | None = None
         self._fallback: Path | None = None
@@ -98,6 +103,11 @@ class FolderLock:
         if self.folder in _held:
             self._outer = _held[self.folder]
             self._outer._count += 1
+            return self
+        if self.remote:  # no flock on an object store: the exclusive-create lock (a conditional PUT)
+            self._acquire_fallback()
+            self._count = 1
+            _held[self.folder] = self
             return self
         path = self.folder / LOCK_FILE
         for _ in range(10):  # again while the file we locked was removed or replaced meanwhile (not the lock then)
@@ -145,24 +155,21 @@ class FolderLock:
         return self
 
     def _acquire_fallback(self) -> None:
-        path = self.folder / FALLBACK_FILE
+        path = storage.join(self.folder, FALLBACK_FILE)
         for _ in range(2):
-            try:
-                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-            except FileExistsError:
+            if not storage.create_exclusive(path, (json.dumps(_holder_record()) + "\n").encode()):
                 record = _read_record(path)
                 local = record and record.get("host") == socket.gethostname()
                 if local and isinstance(record.get("pid"), int) and not _pid_alive(record["pid"]):
                     self.took_over = record
-                    path.unlink(missing_ok=True)
+                    storage.remove(path)
                     continue
                 err = self._refuse(record, path)
                 if record and not local:
-                    err = FolderLockedError(f"{err}. This filesystem has no flock, so a job on another host cannot "
+                    kind = "An object store" if self.remote else "This filesystem"
+                    err = FolderLockedError(f"{err}. {kind} has no flock, so a job on another host cannot "
                                             f"be checked: if it is gone, delete {path}")
                 raise err from None
-            with os.fdopen(fd, "w") as f:
-                f.write(json.dumps(_holder_record()) + "\n")
             self._fallback = path
             return
         raise self._refuse(_read_record(path), path)
@@ -184,7 +191,7 @@ class FolderLock:
             os.close(self._fd)
             self._fd = None
         if self._fallback is not None:
-            self._fallback.unlink(missing_ok=True)
+            storage.remove(self._fallback)
             self._fallback = None
 
     def close_in_child(self) -> None:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 from pipeline.config import TrackingConfig
@@ -26,6 +27,7 @@ def register(sub) -> None:
     s.add_argument("--rerun", action="store_true",
                    help="also run the recipes whose run is already trained to max_steps and evaluated (skipped "
                         "otherwise, so the same command continues an interrupted sweep)")
+    add_cluster_arguments(s)
     s.set_defaults(fn=cmd_sweep)
     s = sub.add_parser("fit-phi", help="the recurrence-equivalence exponent phi of L = E + A (N_once + r^phi "
                                        "N_rec)^-alpha + B D^-beta over evaluated runs (docs/related.md)")
@@ -55,6 +57,27 @@ def add_run_selection(s: argparse.ArgumentParser, tag_help: str) -> None:
     s.add_argument("--experiment", action="append", default=None,
                    help=f"MLflow experiment to search (repeatable; default {TrackingConfig.experiment})")
     s.add_argument("--tag", action="append", default=None, metavar="KEY=VALUE", help=tag_help)
+
+
+def add_cluster_arguments(s: argparse.ArgumentParser) -> None:
+    """`grt sweep --status` and `grt sweep --launcher slurm ...` (pipeline/studies/sweep_submit.py)."""
+    s.add_argument("--status", action="store_true", help="show each run's state (queued, running at step N, finished, "
+                                                         "failed with its last error); run nothing")
+    s.add_argument("--launcher", default=None, choices=["slurm"],
+                   help="submit every recipe as a SLURM job (grt launch's script and preflight) and a final job "
+                        "printing the table when all ended (docs/experiments.md, On a cluster)")
+    s.add_argument("--nodes", type=int, default=1, help="--launcher slurm: nodes per run")
+    s.add_argument("--gpus-per-node", type=int, default=1, help="--launcher slurm: ranks per node")
+    s.add_argument("--gpu-mem", type=float, default=None, metavar="GB", help="memory per GPU for the preflight")
+    s.add_argument("--no-check", action="store_true", help="--launcher slurm: submit without the preflights")
+    s.add_argument("--skip-data", action="store_true", help="--launcher slurm: preflights without the dataset checks")
+    for opt, what in (("--time", "--time of each job (e.g. 24:00:00)"), ("--partition", "--partition"),
+                      ("--account", "--account"), ("--setup", "shell line(s) every node runs first (default: "
+                                                              "activate grt's virtual environment)"),
+                      ("--template", "your own sbatch template (as grt launch)")):
+        s.add_argument(opt, default=None, help=f"--launcher slurm: {what}")
+    s.add_argument("--grace", type=int, default=300, help="--launcher slurm: seconds between SIGTERM and the limit")
+    s.add_argument("--cpus-per-node", type=int, default=None, metavar="N", help="--launcher slurm: CPUs per node")
 
 
 def parse_tags(given: list[str] | None) -> dict[str, str]:
@@ -89,6 +112,18 @@ def cmd_sweep(args) -> int:
     """`grt run` on every recipe of a folder (pipeline/studies/sweep.py), then a summary table."""
     from pipeline.studies.sweep import sweep_command
 
+    if args.status:
+        from pipeline.studies.sweep_status import status_command
+
+        return status_command(args.folder, args.overrides, args.data)
+    if args.launcher == "slurm":
+        from pipeline.studies.sweep_submit import submit_sweep
+
+        return submit_sweep(args)
+    if args.nodes != 1 or args.gpus_per_node != 1:
+        print("error: grt sweep runs its recipes in this process, on one device: --nodes/--gpus-per-node need "
+              "--launcher slurm", file=sys.stderr)
+        return 2
     return sweep_command(args.folder, args.overrides, args.data, args.dry_run, rerun=args.rerun)
 
 

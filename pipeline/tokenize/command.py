@@ -15,6 +15,10 @@ def register(sub) -> None:
     s.add_argument("--force", action="store_true", help="rebuild even when the dataset is up to date")
     s.add_argument("--strict", action="store_true", help="fail on the first bad input record instead of counting it")
     s.add_argument("--workers", type=int, default=None, help="tokenizer processes (default: data.workers or CPUs)")
+    s.add_argument("--tasks", type=int, default=None, metavar="N",
+                   help="tokenize on N nodes: this process does one slice (--task-id) into DATASET/.tasks/ID; "
+                        "then `grt tokenize merge DATASET` (docs/data.md)")
+    s.add_argument("--task-id", type=int, default=None, metavar="ID", help="which slice of --tasks (0..N-1)")
     data = sub.add_parser("data", help="inspect tokenized datasets").add_subparsers(dest="data_command",
                                                                                     required=True)
     s = data.add_parser("verify", help="recheck every shard's checksum, token ids and index against the manifest")
@@ -32,16 +36,36 @@ def register(sub) -> None:
 def cmd_tokenize(args) -> int:
     from pipeline.tokenize import tokenize
 
-    tokenize(recipe_of(args).data, force=args.force, strict=True if args.strict else None, workers=args.workers)
+    strict = True if args.strict else None
+    if args.recipe == "merge":  # `grt tokenize merge DATASET_DIR`
+        from pipeline.tokenize.merge import merge
+
+        if len(args.overrides) != 1:
+            raise ValueError("usage: grt tokenize merge DATASET_DIR (the data.dataset_dir the tasks wrote under)")
+        merge(args.overrides[0], strict=strict)
+        return 0
+    if (args.tasks is None) != (args.task_id is None):
+        raise ValueError("--tasks and --task-id go together: give both (e.g. --tasks 4 --task-id 0), or neither")
+    if args.tasks is not None:
+        from pipeline.tokenize.tasks import tokenize_task
+
+        recipe = " ".join([args.recipe, *args.overrides, *(["--data", args.data] if args.data else [])])
+        tokenize_task(recipe_of(args).data, args.tasks, args.task_id, recipe=recipe, strict=strict,
+                      workers=args.workers)
+        return 0
+    tokenize(recipe_of(args).data, force=args.force, strict=strict, workers=args.workers)
     return 0
 
 
 def cmd_data_verify(args) -> int:
+    from pipeline.tokenize.dataset_cache import local_dataset
     from pipeline.tokenize.writer import read_manifest
     from pipeline.tokenize.writer import verify_dataset
 
-    problems = verify_dataset(args.dataset)
-    m = read_manifest(args.dataset)
+    problems: list[str] = []  # an s3:// dataset's files are fetched into the node cache, each checked on the way
+    folder = local_dataset(args.dataset, problems)
+    problems += [p for p in verify_dataset(folder) if not (p.endswith(" is missing") and problems)]
+    m = read_manifest(folder)
     n = sum(len(s["shards"]) for s in m["splits"].values())
     if problems:
         print(f"{args.dataset}: {len(problems)} problem(s) in {n} shards:", file=sys.stderr)

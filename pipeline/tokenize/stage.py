@@ -33,6 +33,7 @@ from pipeline.config import DataConfig
 from pipeline.config import RecipeError
 from pipeline.config import SourceConfig
 from pipeline.config import config_hash
+from pipeline.runtime import storage
 from pipeline.runtime.locking import FALLBACK_FILE
 from pipeline.runtime.locking import LOCK_FILE
 from pipeline.runtime.locking import FolderLock
@@ -143,6 +144,7 @@ class _Job:
         self.position = (-1, -1, -1)  # last record handled
         self.bytes_read = 0
         self.snapshots = 0
+        self.only: set[tuple[int, int]] | None = None  # the (source, unit)s read; None: all (tasks.py reads a slice)
 
     def source_key(self, source: int) -> str:
         """The recipe key of a source: ``data.sources[i]`` or ``data.validation_sources[j]``."""
@@ -196,6 +198,8 @@ class _Job:
         for unit in (u for us in self.units for u in us):
             if (unit.source, unit.index) < (s0, u0) or unit.source in self.capped:
                 continue
+            if self.only is not None and (unit.source, unit.index) not in self.only:
+                continue
             skip = r0 if (unit.source, unit.index) == (s0, u0) else -1
             if batch and batch[-1].pos[0] != unit.source:  # one source per batch (one text field)
                 yield batch
@@ -245,14 +249,7 @@ class _Job:
                 reason = SKIP_REASONS[kind - 1]
                 where = self.location(rec)
                 if self.strict:
-                    what = reason.replace('_', ' ')
-                    if kind == MISSING:
-                        field = self.sources[src].text_field
-                        what = f"field {field!r} is not a string" if field in fields else f"no field {field!r}"
-                        what += (f" (fields it has: {', '.join(fields)})" if fields else "") + \
-                            f"; {self.source_key(src)}.text_field names the field that holds the text"
-                    raise BadRecordError(f"{where}: {what} (strict mode; drop data.strict / --strict to count and "
-                                         f"skip such records instead)")
+                    raise self.bad_record(rec, kind, fields if kind == MISSING else ())
                 st["skipped"][reason] += 1
                 if kind == MISSING and fields:
                     self.count_fields(src, Counter(fields))
@@ -276,6 +273,18 @@ class _Job:
         bar.set_postfix_str(f"{sum(s['documents'] for s in self.stats):,} docs, "
                             f"{sum(s['tokens'] for s in self.stats) / max(1e-9, time.time() - self.t0):,.0f} tok/s",
                             refresh=False)
+
+    def bad_record(self, rec: Record, kind: int, fields: tuple[str, ...]) -> BadRecordError:
+        """The strict mode's error for a skipped record of this kind."""
+        src = rec.pos[0]
+        what = SKIP_REASONS[kind - 1].replace('_', ' ')
+        if kind == MISSING:
+            field = self.sources[src].text_field
+            what = f"field {field!r} is not a string" if field in fields else f"no field {field!r}"
+            what += (f" (fields it has: {', '.join(fields)})" if fields else "") + \
+                f"; {self.source_key(src)}.text_field names the field that holds the text"
+        return BadRecordError(f"{self.location(rec)}: {what} (strict mode; drop data.strict / --strict to count and "
+                              f"skip such records instead)")
 
     def count_fields(self, src: int, fields: Counter) -> None:
         counts = self.stats[src]["fields_of_records_without_text_field"]
@@ -464,6 +473,11 @@ def tokenize(cfg: DataConfig, force: bool = False, quiet: bool = False, strict: 
              workers: int | None = None) -> dict:
     """Tokenize ``cfg.sources`` into ``cfg.dataset_dir``; reuse a finished dataset made from the same config and
     resume an interrupted one. Holds the dataset folder's lock while it reads or writes there."""
+    if storage.is_remote(cfg.dataset_dir):  # s3://: staged on the local disk, then uploaded (manifest last)
+        from pipeline.tokenize.upload import tokenize_remote
+
+        return tokenize_remote(cfg, tokenize, data_fingerprint(cfg), force=force, quiet=quiet, strict=strict,
+                               workers=workers)
     out = Path(cfg.dataset_dir)
     fingerprint = data_fingerprint(cfg)
     strict = cfg.strict if strict is None else strict

@@ -337,4 +337,7 @@ def trained_tokenizer(cfg, checkpoint: str | Path) -> Tokenizer:
 
 def dataset_tokenizer(cfg) -> Tokenizer:
     """The tokenizer of a recipe's (first) dataset: the copy it keeps, else ``data.tokenizer`` itself."""
-    return saved_tokenizer(cfg.data.tokenizer, [cfg.data.training_datasets()[0][0]], cfg.data.tiktoken_pattern)
+    from pipeline.tokenize.dataset_cache import local_dataset  # an s3:// dataset: its copy in the node cache
+
+    return saved_tokenizer(cfg.data.tokenizer, [local_dataset(cfg.data.training_datasets()[0][0])],
+                           cfg.data.tiktoken_pattern)

@@ -413,6 +413,14 @@ class FSDP(TorchDistributed):
 
     name = "fsdp"
 
+    def __init__(self, cfg: TrainConfig):
+        super().__init__(cfg)
+        from pipeline.train.mesh import build_mesh
+
+        per_node = int(os.environ["LOCAL_WORLD_SIZE"]) if "LOCAL_WORLD_SIZE" in os.environ else None
+        # None: flat FSDP over the world; else the (replicate, shard) mesh of HSDP
+        self.mesh = build_mesh(cfg.fsdp_shard, self.world_size, per_node, self.device.type)
+
     def setup(self, model, optimizer_fn):
         from pipeline.train.parallelize import looped_modules
 

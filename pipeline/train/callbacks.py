@@ -123,7 +123,7 @@ class TrackerCallback(Callback):
         self.tracker.log_params(params)
         self.tracker.set_tags({"model.type": trainer.cfg.model.type, "shorthand": trainer.info["shorthand"],
                                "run_dir": str(trainer.run_dir.resolve())})
-        dataset_dirs = trainer.cfg.data.training_datasets()[0]
+        dataset_dirs = trainer.dataset_dirs  # local folders (an s3:// dataset's copy in the node cache)
         self.tracker.log_datasets(dataset_dirs, "train")
         self.tracker.log_artifact(trainer.run_dir / "recipe.yaml")
         for d in dataset_dirs:

@@ -26,6 +26,8 @@ from pipeline.train.checkpoint import publish
 from pipeline.train.checkpoint import set_aside_names
 from pipeline.train.checkpoint import staging_dir
 from pipeline.train.curriculum import tokens_through
+from pipeline.train.relaunch import record_relaunch
+from pipeline.train.relaunch import relaunch_from_env
 from pipeline.train.run_folder import cut_metrics_back
 from pipeline.train.run_folder import mark_stopped
 from pipeline.train.run_folder import newest_intact_checkpoint
@@ -91,6 +93,8 @@ class Checkpointer:
         self.dir = self.run_dir / "checkpoints"
         self.stopped_together = False  # a full disk stopped every rank at the same agreement
         self._pending = None  # (future or None, step, start time, PeakRSS or None, error) of the save in flight
+        self.relaunch = None  # a torchrun restart or SLURM requeue of this job, agreed by :meth:`resume`
+        self.relaunch_line = None  # its log line, once resumed (rank 0)
 
     # ------------------------------------------------------------------------------------------ where
     def folder(self, step: int) -> Path:
@@ -122,6 +126,7 @@ class Checkpointer:
     def resume(self, trainer) -> None:
         """Load the newest intact checkpoint into the trainer (model, optimizer, loader, step counters), or start the
         run folder's metrics afresh when there is none; refuse what cannot be resumed, saying why and what to do."""
+        self.relaunch = relaunch_from_env(backend=self.backend)  # every rank: the group's highest counts
         # a branch (train.branch_from) before its first save starts from its parent's checkpoint, resumed as any
         branching = self.cfg.train.branch_from is not None and not list_checkpoints(self.dir)
         if not list_checkpoints(self.dir) and not branching:
@@ -131,8 +136,11 @@ class Checkpointer:
                                  f"{', '.join(aside)}): nothing to resume from. Start the run over "
                                  f"under another name=, or remove {self.dir} to train this one from scratch")
             start_fresh_metrics(self.run_dir, self.backend.is_main)
+            self._record_relaunch(None, 0)
             return
-        if self.cfg.train.resume == "never" and not branching:
+        # the one resume rule (pipeline/train/relaunch.py): a relaunch resumes its own job's checkpoints, whatever
+        # train.resume says
+        if self.cfg.train.resume == "never" and not branching and self.relaunch is None:
             raise FileExistsError(f"{self.run_dir} already has checkpoints and train.resume=never; choose another "
                                   f"name= or delete {self.dir}")
         newest, unindexed = ((branch_point(self.cfg, self.backend), []) if branching else
@@ -168,6 +176,11 @@ class Checkpointer:
                 print(f"note: {what} the checkpoint at step {trainer.step} ({newest / 'recipe.yaml'}): "
                       f"{'; '.join(changes)}", file=sys.stderr, flush=True)
             cut_metrics_back(self.run_dir, trainer.step)
+        self._record_relaunch(newest, trainer.step)
+
+    def _record_relaunch(self, folder: Path | None, step: int) -> None:
+        if self.relaunch is not None and self.backend.is_main:
+            self.relaunch_line = record_relaunch(self.relaunch, self.run_dir, folder, step)
 
     def reload(self, trainer, folder: Path) -> None:
         """train.spike's rollback: load ``folder`` (the newest checkpoint, or a branch's starting point; the caller

@@ -18,7 +18,8 @@ import torch
 
 from pipeline.train.callbacks import Callback
 
-# Testing hooks: every rank (or only GRT_FAULT_KILL_RANK) SIGKILLs itself right after logging this step.
+# Testing hooks: every rank (or only GRT_FAULT_KILL_RANK) SIGKILLs itself right after logging this step; not in a
+# group that torchrun restarted (the kill would strike again at the same step after every restart)
 FAULT_KILL_AT_STEP = int(os.environ.get("GRT_FAULT_KILL_AT_STEP", "0") or 0)
 FAULT_KILL_RANK = int(os.environ["GRT_FAULT_KILL_RANK"]) if os.environ.get("GRT_FAULT_KILL_RANK") else None
 # ... with this signal instead of SIGKILL (SIGSTOP: a frozen rank whose sockets stay open, as after a power loss)
@@ -154,7 +155,9 @@ class FaultInjection(Callback):
 
     def on_step_checked(self, trainer, metrics: dict) -> None:
         step, rank = trainer.step, trainer.backend.rank
-        if step == FAULT_KILL_AT_STEP and FAULT_KILL_RANK in (None, rank):
+        relaunch = getattr(getattr(trainer, "checkpointer", None), "relaunch", None)
+        restarted = relaunch is not None and relaunch.kind == "restart"
+        if step == FAULT_KILL_AT_STEP and FAULT_KILL_RANK in (None, rank) and not restarted:
             os.kill(os.getpid(), FAULT_KILL_SIGNAL)  # `kill -9`
         raise_at_step(step, rank)
         if step == FAULT_SIGNAL_AT_STEP[0] and rank == 0:

@@ -63,7 +63,8 @@ def build_for_training(cfg: RunConfig, backend) -> nn.Module:
     if tc.backend == "fsdp":
         model = build_model(cfg.model, device="meta")
         n_unique = len(list(model.parameters()))
-        parallelize(model, tc, backend.amp_dtype, torch.device("meta"))  # sharded while nothing is allocated
+        # sharded while nothing is allocated
+        parallelize(model, tc, backend.amp_dtype, torch.device("meta"), backend.mesh)
         model.to_empty(device=backend.device)  # each rank allocates its shards only
         _check_materialized(model, n_unique)
         model.init_weights(cfg.seed, assign_local)

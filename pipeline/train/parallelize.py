@@ -54,7 +54,7 @@ def apply_activation_checkpointing(model: LanguageModel, mode: str) -> None:
             checkpoint_module(block)
 
 
-def apply_fsdp(model: LanguageModel, amp_dtype: torch.dtype) -> None:
+def apply_fsdp(model: LanguageModel, amp_dtype: torch.dtype, mesh=None) -> None:
     """FSDP2 per block, then the recurrence step, then the root, with the precision of single and DDP (fp32
     parameters under autocast). The blocks and the step are gathered in ``amp_dtype`` (half the all-gather bytes;
     autocast casts their matmul weights to it anyway), but FSDP casts no module's inputs (``cast_forward_inputs=
@@ -63,7 +63,9 @@ def apply_fsdp(model: LanguageModel, amp_dtype: torch.dtype) -> None:
     2^-8 of h, so in bf16 much of each update is rounded away.) The root (embeddings, the tied head, the final LN)
     keeps fp32 parameters: the stream starts from the fp32 embedding as under DDP, and the embedding's gradient (the
     rows of every token plus the head's) accumulates in fp32. The cost: the root is gathered in fp32 (it stays
-    gathered from the forward to its backward), 2 more bytes per root parameter than a bf16 gather."""
+    gathered from the forward to its backward), 2 more bytes per root parameter than a bf16 gather.
+    ``mesh`` (HSDP, ``train.fsdp_shard``): every unit shards over the mesh's shard dimension and replicates over the
+    other; the looped core is still gathered once per micro-step, inside its shard group."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
     from torch.distributed.fsdp import fully_shard
 
@@ -72,10 +74,11 @@ def apply_fsdp(model: LanguageModel, amp_dtype: torch.dtype) -> None:
     for role, blocks in blocks_of(model).items():
         for block in blocks:
             # the shared core runs R times per forward: keep it gathered between its calls
-            fully_shard(block, mp_policy=mp, reshard_after_forward=role != "core")
+            fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=role != "core")
     if model.recurrent_core() is not None:
-        fully_shard(model.recurrent_core(), mp_policy=mp, reshard_after_forward=False)  # W_proj and the gate
-    fully_shard(model, mp_policy=MixedPrecisionPolicy(cast_forward_inputs=False))  # fp32: see above
+        # W_proj and the gate
+        fully_shard(model.recurrent_core(), mesh=mesh, mp_policy=mp, reshard_after_forward=False)
+    fully_shard(model, mesh=mesh, mp_policy=MixedPrecisionPolicy(cast_forward_inputs=False))  # fp32: see above
 
 
 def looped_modules(model: LanguageModel) -> list[nn.Module]:
@@ -123,12 +126,14 @@ def apply_compile(model: LanguageModel, backend: str = "inductor") -> None:
         module.compile(backend=backend)
 
 
-def parallelize(model: LanguageModel, cfg: TrainConfig, amp_dtype: torch.dtype, device: torch.device) -> nn.Module:
-    """torchtitan's order: activation checkpointing, then compile, then FSDP."""
+def parallelize(model: LanguageModel, cfg: TrainConfig, amp_dtype: torch.dtype, device: torch.device,
+                mesh=None) -> nn.Module:
+    """torchtitan's order: activation checkpointing, then compile, then FSDP (flat, or HSDP on ``mesh``: the
+    2-D (replicate, shard) mesh of ``train.fsdp_shard``, :mod:`pipeline.train.mesh`)."""
     model.to(device)
     apply_activation_checkpointing(model, cfg.activation_checkpointing)
     if cfg.compile:
         apply_compile(model)
     if cfg.backend == "fsdp":
-        apply_fsdp(model, amp_dtype)
+        apply_fsdp(model, amp_dtype, mesh)
     return model

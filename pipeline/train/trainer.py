@@ -33,6 +33,7 @@ from pipeline.runtime.exit_status import DiskFull
 from pipeline.runtime.exit_status import TrainingStopped
 from pipeline.runtime.locking import FolderLock
 from pipeline.runtime.seeds import derive_seed
+from pipeline.tokenize.dataset_cache import local_dataset
 from pipeline.tokenize.tokenizers import carry_tokenizer
 from pipeline.tracking import open_training_tracker
 from pipeline.train import curriculum
@@ -58,6 +59,7 @@ from pipeline.train.mfu import peak_flops_report
 from pipeline.train.optim import build_optimizer
 from pipeline.train.optim import lr_at
 from pipeline.train.peers import failure_line
+from pipeline.train.relaunch import relaunch_tags
 from pipeline.train.run_folder import STOPPED
 from pipeline.train.run_folder import clear_stopped
 from pipeline.train.run_folder import lock_run_folder
@@ -116,6 +118,8 @@ class Trainer:
         self.run_dir = cfg.run_dir
 
         dirs, weights = cfg.data.training_datasets()
+        dirs = [local_dataset(d) for d in dirs]  # an s3:// dataset: its checked copy in the node cache
+        self.dataset_dirs = dirs
         self.dataset_dir = Path(dirs[0])
         self.train_data = [TokenShards(d, "train") for d in dirs]
         for d, ds in zip(dirs, self.train_data):
@@ -161,6 +165,8 @@ class Trainer:
         except BaseException:
             self._release_run_folder()
             raise
+        if self.tracker is not None and self.checkpointer.relaunch_line:  # the same MLflow run says it restarted
+            self.tracker.set_tags(relaunch_tags(self.checkpointer.relaunch, self.checkpointer.relaunch_line))
         if self.tracker is not None and self.tracker.run_id:
             self.tracker_run_id = self.tracker.run_id
             (self.run_dir / "run.json").write_text(json.dumps(

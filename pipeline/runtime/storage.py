@@ -1,0 +1,231 @@
+"""URL-aware file operations: a local path, or ``s3://bucket/prefix`` through fsspec/s3fs.
+
+API (small and stable; every function takes a ``str`` or ``Path``; a local path behaves exactly as ``pathlib``):
+
+- ``is_remote(path)`` -> bool: a URL with a scheme other than ``file`` (``s3://...``).
+- ``join(base, *parts)`` -> str | Path: ``base/part/...``; a local base gives a ``Path`` back.
+- ``filesystem(path)`` -> (fsspec filesystem, path inside it).
+- ``exists``, ``isdir``, ``size``, ``listdir`` (names, sorted), ``makedirs``, ``remove`` (file or tree).
+- ``read_bytes``, ``read_text``, ``write_bytes``, ``write_text``: a write replaces the whole object (a local write goes
+  through a temporary file and ``os.replace``; an S3 PUT is atomic by itself).
+- ``create_exclusive(path, data)`` -> bool: write only if the object does not exist (local ``O_EXCL``; S3 PUT with
+  ``If-None-Match: *``); False when it already existed.
+- ``open_file(path, mode)``: a file object (ranged reads on S3 for ``"rb"``).
+- ``display(path)``: the path as shown to users (never with credentials: they are not part of the URL).
+- ``storage_options(path)`` -> dict: the keyword arguments for fsspec (``endpoint_url``), for libraries that open
+  the URL themselves (torch.distributed.checkpoint's FsspecWriter / FsspecReader).
+
+S3 settings come only from the standard environment variables, read by botocore: ``AWS_ACCESS_KEY_ID``,
+``AWS_SECRET_ACCESS_KEY``, ``AWS_SESSION_TOKEN``, ``AWS_DEFAULT_REGION``, ``AWS_ENDPOINT_URL_S3`` /
+``AWS_ENDPOINT_URL`` (an S3-compatible server such as MinIO or moto), or a profile. Nothing here prints or stores them.
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+REMOTE_SCHEMES = ("s3",)
+
+
+class StorageError(RuntimeError):
+    """An object store could not be reached or refused a request (one line: cause and fix)."""
+
+
+def is_remote(path) -> bool:
+    text = str(path)
+    return "://" in text and not text.startswith("file://")
+
+
+def _scheme(path) -> str:
+    return str(path).split("://", 1)[0]
+
+
+def join(base, *parts):
+    if not is_remote(base):
+        return Path(base).joinpath(*parts)
+    text = str(base).rstrip("/")
+    for part in parts:
+        text += "/" + str(part).strip("/")
+    return text
+
+
+def storage_options(path) -> dict:
+    return _storage_options(_scheme(path)) if is_remote(path) else {}
+
+
+def _storage_options(scheme: str) -> dict:
+    if scheme != "s3":
+        return {}
+    endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+    return {"endpoint_url": endpoint} if endpoint else {}
+
+
+def filesystem(path):
+    """(fsspec filesystem, path inside it) for ``path``."""
+    import fsspec
+
+    if not is_remote(path):
+        return fsspec.filesystem("file"), str(Path(path))
+    scheme = _scheme(path)
+    if scheme not in REMOTE_SCHEMES:
+        raise StorageError(f"unsupported storage URL {display(path)}: use a local path or s3://bucket/prefix")
+    try:
+        fs = fsspec.filesystem(scheme, **_storage_options(scheme))
+    except ImportError as e:
+        raise StorageError(f"{scheme}:// needs the s3fs package ({e}): pip install s3fs") from None
+    return fs, fs._strip_protocol(str(path))
+
+
+def display(path) -> str:
+    return str(path)
+
+
+def _call(what: str, path, fn, write: bool = False):
+    try:
+        return fn()
+    except FileNotFoundError as e:
+        if write:  # nothing is missing before a PUT but the bucket
+            bucket = str(path).split("://", 1)[-1].split("/", 1)[0]
+            raise StorageError(f"{what} {display(path)} failed: {e} (bucket {bucket}); create the bucket or fix the "
+                               "URL") from None
+        raise
+    except (FileExistsError, IsADirectoryError, NotADirectoryError):
+        raise
+    except PermissionError as e:
+        raise StorageError(f"{what} {display(path)}: access denied ({e}); check AWS_ACCESS_KEY_ID / "
+                           "AWS_SECRET_ACCESS_KEY and the bucket's policy") from None
+    except OSError as e:
+        raise StorageError(f"{what} {display(path)} failed: {e}; check the bucket name and "
+                           "AWS_ENDPOINT_URL") from None
+    except Exception as e:  # botocore's own errors (no credentials, endpoint unreachable) are not OSErrors
+        if type(e).__module__.split(".")[0] != "botocore":
+            raise
+        if type(e).__name__ == "NoCredentialsError":
+            raise StorageError(f"{what} {display(path)}: no S3 credentials found; set AWS_ACCESS_KEY_ID and "
+                               "AWS_SECRET_ACCESS_KEY (or AWS_PROFILE)") from None
+        raise StorageError(f"{what} {display(path)} failed: {e}; check AWS_ENDPOINT_URL and the network") from None
+
+
+def exists(path) -> bool:
+    if not is_remote(path):
+        return Path(path).exists()
+    fs, p = filesystem(path)
+    fs.invalidate_cache(p)
+    return _call("checking", path, lambda: fs.exists(p))
+
+
+def isdir(path) -> bool:
+    if not is_remote(path):
+        return Path(path).is_dir()
+    fs, p = filesystem(path)
+    fs.invalidate_cache(p)
+    return _call("checking", path, lambda: fs.isdir(p))
+
+
+def size(path) -> int:
+    if not is_remote(path):
+        return Path(path).stat().st_size
+    fs, p = filesystem(path)
+    fs.invalidate_cache(p)
+    return _call("reading the size of", path, lambda: fs.size(p))
+
+
+def listdir(path) -> list[str]:
+    """Names (not paths) in a folder, sorted; [] when it does not exist."""
+    if not is_remote(path):
+        return sorted(q.name for q in Path(path).iterdir()) if Path(path).is_dir() else []
+    fs, p = filesystem(path)
+    fs.invalidate_cache(p)
+    try:
+        entries = _call("listing", path, lambda: fs.ls(p, detail=False))
+    except FileNotFoundError:
+        return []
+    return sorted(e.rstrip("/").rsplit("/", 1)[-1] for e in entries if e.rstrip("/") != p.rstrip("/"))
+
+
+def makedirs(path) -> None:
+    """Create a folder (a no-op on S3, where a prefix exists once an object is under it)."""
+    if not is_remote(path):
+        Path(path).mkdir(parents=True, exist_ok=True)
+
+
+def remove(path) -> None:
+    """Remove a file, or a folder with everything under it; a missing path is not an error."""
+    if not is_remote(path):
+        import shutil
+        p = Path(path)
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p)
+        else:
+            p.unlink(missing_ok=True)
+        return
+    fs, p = filesystem(path)
+    try:
+        _call("removing", path, lambda: fs.rm(p, recursive=True))
+    except FileNotFoundError:
+        pass
+    fs.invalidate_cache(p)
+
+
+def read_bytes(path) -> bytes:
+    if not is_remote(path):
+        return Path(path).read_bytes()
+    fs, p = filesystem(path)
+    return _call("reading", path, lambda: fs.cat_file(p))
+
+
+def read_text(path) -> str:
+    return read_bytes(path).decode()
+
+
+def write_bytes(path, data: bytes) -> None:
+    if not is_remote(path):
+        p = Path(path)
+        fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=f".{p.name}.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+            os.replace(tmp, p)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+        return
+    fs, p = filesystem(path)
+    _call("writing", path, lambda: fs.pipe_file(p, data), write=True)
+    fs.invalidate_cache(p)
+
+
+def write_text(path, text: str) -> None:
+    write_bytes(path, text.encode())
+
+
+def create_exclusive(path, data: bytes) -> bool:
+    """Write ``data`` only if ``path`` does not exist; False when it already existed."""
+    if not is_remote(path):
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:
+            return False
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        return True
+    fs, p = filesystem(path)
+    try:
+        _call("creating", path, lambda: fs.pipe_file(p, data, mode="create"), write=True)
+    except FileExistsError:
+        return False
+    except StorageError as e:
+        if "PreconditionFailed" in str(e) or "Precondition" in str(e):
+            return False
+        raise
+    finally:
+        fs.invalidate_cache(p)
+    return True
+
+
+def open_file(path, mode: str = "rb"):
+    if not is_remote(path):
+        return open(path, mode)
+    fs, p = filesystem(path)
+    return _call("opening", path, lambda: fs.open(p, mode))

@@ -1,0 +1,184 @@
+"""`grt tokenize merge DIR`: the dataset of N finished tokenize tasks, byte-identical to a one-node run.
+
+The events of tasks 0..N-1 (:mod:`pipeline.tokenize.tasks`) are, end to end, the one-node job's records in its reading
+order. They are replayed, with the documents' tokens, through the one-node job's own record handling
+(:meth:`pipeline.tokenize.stage._Job.handle`): dedup (first occurrence wins), ``max_bytes`` caps, the split by content
+hash, shard packing, the counts and the manifest are its own. The merge holds the dataset folder's lock, is resumable
+after kill -9 through the same state (``DATASET/.progress``), and removes the task folders once the manifest is written.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+from tqdm import tqdm
+
+from pipeline.config import DataConfig
+from pipeline.config import from_dict
+from pipeline.tokenize.sources import Record
+from pipeline.tokenize.stage import BATCH_RECORDS
+from pipeline.tokenize.stage import MISSING
+from pipeline.tokenize.stage import _finished
+from pipeline.tokenize.stage import _Job
+from pipeline.tokenize.stage import _lock_dataset
+from pipeline.tokenize.stage import data_fingerprint
+from pipeline.tokenize.stage import report
+from pipeline.tokenize.tasks import DOCS
+from pipeline.tokenize.tasks import EVENT
+from pipeline.tokenize.tasks import PLAN
+from pipeline.tokenize.tasks import TASKS
+from pipeline.tokenize.tasks import read_done
+from pipeline.tokenize.tasks import task_command
+from pipeline.tokenize.tasks import task_dir
+from pipeline.tokenize.tokenizers import keep_copy
+from pipeline.tokenize.worker import DOC
+from pipeline.tokenize.worker import BatchResult
+from pipeline.tokenize.writer import MANIFEST
+
+
+def read_plan(dataset_dir: str | Path) -> dict:
+    """What the tasks under ``DIR/.tasks`` were started with (any task's plan: they are all alike)."""
+    root = Path(dataset_dir) / TASKS
+    plans = sorted(root.glob(f"*/{PLAN}")) if root.is_dir() else []
+    if not plans:
+        raise FileNotFoundError(f"{dataset_dir} holds no tokenize tasks ({root} is missing or empty); run "
+                                f"`grt tokenize RECIPE --tasks N --task-id I` for I in 0..N-1 first")
+    return json.loads(plans[0].read_text())
+
+
+def unfinished(dataset_dir: str | Path, cfg: DataConfig, tasks: int) -> list[int]:
+    """The tasks with no finished record of this config."""
+    fp = data_fingerprint(cfg)
+    return [i for i in range(tasks)
+            if (read_done(dataset_dir, i) or {}).get("fingerprint") != f"{fp}/task {i} of {tasks}"]
+
+
+class _Tokens:
+    """A task's document tokens, read in order from its docs shards."""
+
+    def __init__(self, folder: Path, shards: list[dict], dtype: np.dtype):
+        self.arrays = [np.memmap(folder / s["file"], dtype=np.dtype(dtype).newbyteorder("<"), mode="r")
+                       for s in shards if s["tokens"]]
+        self.i, self.at = 0, 0
+
+    def take(self, n: int) -> np.ndarray:
+        parts = []
+        while n:
+            a = self.arrays[self.i]
+            k = min(n, a.size - self.at)
+            parts.append(a[self.at:self.at + k])
+            self.at, n = self.at + k, n - k
+            if self.at == a.size:
+                self.i, self.at = self.i + 1, 0
+        return np.concatenate(parts) if len(parts) != 1 else np.asarray(parts[0])
+
+
+class MergeJob(_Job):
+    """The one-node job, its records read back from the tasks' events instead of from the sources."""
+
+    def __init__(self, cfg: DataConfig, strict: bool, quiet: bool, tasks: int):
+        super().__init__(cfg, strict, 1, quiet)
+        self.tasks = tasks
+
+    def task_batches(self, task_id: int) -> Iterator[tuple[list[Record], BatchResult]]:
+        done = read_done(self.cfg.dataset_dir, task_id)
+        folder = task_dir(self.cfg.dataset_dir, task_id)
+        tokens = _Tokens(folder, done["docs"]["shards"], self.dtype)
+        for tag in range(1, done["event_files"] + 1):
+            ev = np.fromfile(folder / ".progress" / f"events_{tag:06d}.npy", dtype=EVENT)
+            fields = iter(json.loads((folder / ".progress" / f"fields_{tag:06d}.json").read_text()))
+            recs, kinds, hashes, ntoks, nbytes, toks, missing = [], [], [], [], [], [], []
+            for e in ev:
+                kind, pos = int(e["kind"]), (int(e["source"]), int(e["unit"]), int(e["record"]))
+                doc = tokens.take(int(e["tokens"])) if kind == DOC else None
+                f = tuple(next(fields)) if kind == MISSING else ()
+                if pos <= tuple(self.position):  # handled before the merge was resumed
+                    continue
+                if recs and (recs[-1].pos[0] != pos[0] or len(recs) >= BATCH_RECORDS):
+                    yield recs, _result(kinds, hashes, ntoks, nbytes, toks, missing, self.dtype)
+                    recs, kinds, hashes, ntoks, nbytes, toks, missing = [], [], [], [], [], [], []
+                recs.append(Record(None, "", pos, int(e["raw_bytes"])))
+                kinds.append(kind)
+                if kind == DOC:
+                    hashes.append(int(e["hash"]))
+                    ntoks.append(int(e["tokens"]))
+                    nbytes.append(int(e["bytes"]))
+                    toks.append(doc)
+                elif kind == MISSING:
+                    missing.append(f)
+            if recs:
+                yield recs, _result(kinds, hashes, ntoks, nbytes, toks, missing, self.dtype)
+
+    def run(self) -> dict:
+        self.t0 = time.time()
+        keep_copy(self.tok, self.out)  # the tokenizer's copy a one-node run keeps
+        bar = tqdm(total=None, unit="B", unit_scale=True, desc="tokenize merge: input replayed", disable=self.quiet,
+                   mininterval=1.0)
+        try:
+            for t in range(self.tasks):
+                for recs, res in self.task_batches(t):
+                    self.handle(recs, res, bar)
+        finally:
+            bar.close()
+        return self.finish()
+
+
+def _result(kinds, hashes, ntoks, nbytes, toks, missing, dtype) -> BatchResult:
+    return BatchResult(kinds=np.array(kinds, dtype=np.int8), hashes=np.array(hashes, dtype=np.uint64),
+                       ntokens=np.array(ntoks, dtype=np.int64), nbytes=np.array(nbytes, dtype=np.int64),
+                       tokens=np.concatenate(toks).astype(dtype) if toks else np.empty(0, dtype),
+                       missing_fields=missing)
+
+
+def merge(dataset_dir: str | Path, quiet: bool = False, strict: bool | None = None) -> dict:
+    """Write the dataset of the finished tasks under ``dataset_dir/.tasks``."""
+    out = Path(dataset_dir)
+    if (out / MANIFEST).is_file() and not (out / TASKS).is_dir():
+        with open(out / MANIFEST) as f:
+            manifest = json.load(f)
+        if not quiet:
+            print(f"tokenize merge: {out} is already merged ({manifest['splits']['train']['tokens']:,} train tokens)")
+        return manifest
+    plan = read_plan(out)
+    tasks, recipe = plan["tasks"], plan["recipe"]
+    cfg = from_dict({"data": plan["data"]}, source=f"{out / TASKS}/*/{PLAN}", saved=True).data
+    missing = unfinished(out, cfg, tasks)
+    if missing:
+        how = "; ".join(f"`{task_command(recipe, tasks, i)}`" for i in missing[:3])
+        raise FileNotFoundError(f"{out}: task{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} of "
+                                f"{tasks} {'are' if len(missing) > 1 else 'is'} missing or unfinished; run {how}"
+                                f"{' ...' if len(missing) > 3 else ''}, then merge again")
+    job = MergeJob(cfg, cfg.strict if strict is None else strict, quiet, tasks)
+    lock = _lock_dataset(out, 0.0)
+    try:
+        manifest = _finished(out, job.fingerprint)[0]
+        if manifest is None:
+            (out / MANIFEST).unlink(missing_ok=True)
+            if not job.load_state():
+                shutil.rmtree(job.progress_dir, ignore_errors=True)
+                for f in out.glob("*_[0-9][0-9][0-9][0-9][0-9][0-9].*"):
+                    f.unlink()
+            job.progress_dir.mkdir(exist_ok=True)
+            t0 = time.time()
+            manifest = job.run()
+            if not quiet:
+                report(manifest, out, time.time() - t0, 1)
+        for i in range(tasks):  # what the tasks created, once the manifest is in place
+            shutil.rmtree(task_dir(out, i), ignore_errors=True)
+        try:
+            (out / TASKS).rmdir()
+        except OSError:
+            pass
+    finally:
+        lock.release()
+    if not quiet:
+        print(f"tokenize merge: {tasks} tasks merged into {out}", file=sys.stderr)
+    return manifest
+
+
+__all__ = ["merge", "read_plan", "unfinished", "DOCS"]

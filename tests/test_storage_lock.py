@@ -1,0 +1,46 @@
+"""The run-folder lock on an object store: an exclusive create by conditional PUT, checked with boto3 (an
+independent client) against the moto server."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+
+import pytest
+
+from pipeline.runtime.locking import FALLBACK_FILE
+from pipeline.runtime.locking import FolderLock
+from pipeline.runtime.locking import FolderLockedError
+
+
+def put_record(srv, host, pid):
+    srv.client().put_object(Bucket=srv.bucket, Key=f"{srv.prefix}/run/{FALLBACK_FILE}",
+                            Body=json.dumps({"host": host, "pid": pid, "command": "grt train x"}).encode())
+
+
+def test_lock_on_s3(s3_server):
+    run = s3_server.url("run")
+    with FolderLock(run, "run folder"):
+        assert s3_server.keys() == [f"run/{FALLBACK_FILE}"]
+        record = json.loads(s3_server.client().get_object(
+            Bucket=s3_server.bucket, Key=f"{s3_server.prefix}/run/{FALLBACK_FILE}")["Body"].read())
+        assert record["pid"] == os.getpid()
+    assert s3_server.keys() == []  # released: deleted
+
+
+def test_lock_held_elsewhere_is_refused(s3_server):
+    run = s3_server.url("run")
+    put_record(s3_server, "node-7", 1234)  # a job on another host
+    with pytest.raises(FolderLockedError, match=f"pid 1234 on host node-7.*delete {run}/{FALLBACK_FILE}"):
+        FolderLock(run, "run folder").acquire()
+    put_record(s3_server, socket.gethostname(), os.getpid())  # a live job on this host (this process's pid)
+    with pytest.raises(FolderLockedError, match="in use by another job"):
+        FolderLock(run, "run folder").acquire()
+
+
+def test_dead_holder_on_this_host_is_taken_over(s3_server):
+    put_record(s3_server, socket.gethostname(), 2 ** 22 + 17)  # above pid_max's default: no such process
+    lock = FolderLock(s3_server.url("run"), "run folder").acquire()
+    assert lock.took_over["pid"] == 2 ** 22 + 17
+    lock.release()
+    assert s3_server.keys() == []
