@@ -30,16 +30,19 @@ def _check(p: subprocess.CompletedProcess) -> None:
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
 
 
-def _two_nodes(recipe: Path, name: str, *over: str) -> None:
+def _two_nodes(recipe: Path, name: str, *over: str) -> str:
     """2 torchrun agents x 2 ranks (static rendezvous on 127.0.0.1): LOCAL_WORLD_SIZE=2, WORLD_SIZE=4."""
     port = str(free_port())
     procs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank", str(n),
                                "--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port", port,
                                *_train(recipe, name, *over)], cwd=REPO, env=subprocess_env(), text=True,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE) for n in (0, 1)]
+    outs = []
     for p in procs:
         out, err = p.communicate(timeout=900)
         _check(subprocess.CompletedProcess(p.args, p.returncode, out, err))
+        outs.append(out)
+    return "".join(outs)
 
 
 @pytest.mark.multiprocess
@@ -48,7 +51,8 @@ def test_hsdp_on_two_nodes_matches_one_process_and_resumes_under_fsdp_on_two_ran
     recipe = launched_recipe(tmp_path, max_steps=STEPS, checkpoint_interval=CKPT_EVERY, eval_interval=STEPS,
                              grad_accum_steps=4, collective_timeout_s=60)
     runs = tmp_path / "runs"
-    _two_nodes(recipe, "hsdp", "train.backend=fsdp", "train.fsdp_shard=node")
+    out = _two_nodes(recipe, "hsdp", "train.backend=fsdp", "train.fsdp_shard=node")
+    assert "from scratch on fsdp x4 (HSDP: shard 2 x replicate 2) cpu" in out, out[-2000:]
     _check(subprocess.run([sys.executable, *_train(recipe, "single")], cwd=REPO, env=subprocess_env(),
                           capture_output=True, text=True, timeout=600))
     hsdp, single = step_losses(runs / "hsdp"), step_losses(runs / "single")

@@ -52,6 +52,9 @@ def test_a_world_size_the_group_does_not_divide_is_one_problem():
     with pytest.raises(ValueError, match="train.fsdp_shard=node .2 ranks per node. needs a world size that is a "
                                          "multiple of 2, got 3"):
         build_mesh("node", 3, 2, "cpu")  # at start-up, before any collective
+    # one shard group spanning the world (one node, or N = world) is plain FSDP, as the preflight counts it: no
+    # 2-D mesh (building one would need a process group, which this test does not have)
+    assert build_mesh("node", 4, 4, "cpu") is None and build_mesh(8, 8, 4, "cpu") is None
 
 
 @pytest.mark.parametrize("value,backend,message", [

@@ -66,7 +66,8 @@ def run_queue(queue: Path, states: Path, bindir: Path, tmp: Path) -> dict[str, s
         with open(log, "a") as f:
             out[j["job"]] = subprocess.run(["bash", j["script"]], cwd=REPO, env=env, stdout=f,
                                            stderr=subprocess.STDOUT, timeout=600)
-        (states / j["job"]).unlink()
+        # squeue lists an ended job a while longer (SLURM's MinJobAge) in its final state
+        (states / j["job"]).write_text("COMPLETED" if out[j["job"]].returncode == 0 else "FAILED")
         ended.add(j["job"])
     return out
 
@@ -164,15 +165,56 @@ def test_grid_runs_through_slurm_stand_ins_to_the_compare_table(grid, tmp_path, 
     assert {r[0]: float(r[6]) for r in rows} == {n: round(v, 4) for n, v in saved.items()}
 
 
-def test_status_running_with_its_step_and_stopped_short(grid, tmp_path, capsys):
+def test_status_running_with_its_step_and_stopped_short(grid, tmp_path, capsys, monkeypatch):
     """A run whose folder lock is held is running, at its last metrics.jsonl step; without SLURM a folder trained part
     way and held by no one is failed (stopped short)."""
+    import fcntl
+
     from pipeline.runtime.locking import FolderLock
+    from pipeline.studies import sweep_status
 
     folder, _ = grid
     run = tmp_path / "runs" / "grid-a"
     run.mkdir(parents=True)
+
+    def no_flock(*args):  # the probe must not take the lock, even for a moment (a run starting then would stop)
+        raise AssertionError("grt sweep --status took a run folder's lock")
+
+    monkeypatch.setattr(sweep_status, "fcntl", type("NoFlock", (), {"flock": no_flock, "LOCK_EX": fcntl.LOCK_EX,
+                                                                     "LOCK_NB": fcntl.LOCK_NB}))
     (run / "metrics.jsonl").write_text('{"step": 1, "loss": 9.0}\n{"step": 2, "loss": 8.5}\n{"event": "eval"}\n')
     with FolderLock(run, "run folder"):
         assert status_lines(capsys, folder)["a.yaml"][2:] == ["running", "-", "step 2/3"]
     assert status_lines(capsys, folder)["a.yaml"][2] == "failed"
+
+
+def test_status_reads_mlflow_for_run_folders_on_another_nodes_disk(grid, tmp_path, capsys):
+    """With tracking on, MLflow's run (by name and sweep tag) gives each line its status and last logged step, and
+    a run whose folder this node cannot see takes its state from there. The MLflow runs are written by hand here
+    with MLflow's own client: grid-a RUNNING with losses at steps 1 and 2, grid-b FAILED at step 1, grid-c none,
+    and a grid-a of another sweep (tag) at step 3, which must not be taken."""
+    from mlflow.tracking import MlflowClient
+
+    folder, _ = grid
+    uri = f"sqlite:///{tmp_path / 'status-mlflow.db'}"
+    client = MlflowClient(tracking_uri=uri)
+    exp = client.create_experiment("status")
+    for name, sweep, status, steps in (("grid-a", "toy-grid", "RUNNING", [1, 2]),
+                                       ("grid-b", "toy-grid", "FAILED", [1]),
+                                       ("grid-a", "other-grid", "FINISHED", [1, 2, 3])):  # the newest
+        run = client.create_run(exp, run_name=name, tags={"sweep": sweep})
+        for s in steps:
+            client.log_metric(run.info.run_id, "loss", 9.0 - s, step=s)
+        if status != "RUNNING":
+            client.set_terminated(run.info.run_id, status)
+    capsys.readouterr()
+    assert main(["sweep", str(folder), "--status", "tracking.enabled=true", f"tracking.uri={uri}",
+                 "tracking.experiment=status"]) == 0
+    out = capsys.readouterr().out
+    lines = {ln.split()[0]: ln.split(None, 4) for ln in out.splitlines()[3:]}
+    assert lines["a.yaml"][2:] == ["running", "-", "step 2/3 (MLflow RUNNING at step 2; its run folder is not "
+                                                   "visible here)"]
+    assert lines["b.yaml"][2:] == ["failed", "-", "step 1/3 (MLflow FAILED at step 1; its run folder is not "
+                                                  "visible here)"]
+    assert [ln.split() for ln in out.splitlines() if ln.startswith("c.yaml")] == [["c.yaml", "grid-c", "not",
+                                                                                  "started", "-", "-"]]

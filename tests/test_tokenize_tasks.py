@@ -127,3 +127,20 @@ def test_three_tasks_and_merge_equal_one_node_also_after_kill_9(tmp_path, capsys
     record = {n: (len(b), hashlib.sha256(b).hexdigest()) for n, b in got.items()}
     print("byte-identity:", len(record), "files,", sum(n for n, _ in record.values()), "bytes, all equal;",
           json.dumps(record))  # for the report: every file, its size and sha256, equal to the one-node run
+
+
+def test_merge_writes_into_the_folder_it_is_given_from_any_working_folder(tmp_path, monkeypatch):
+    """A recipe's relative data.dataset_dir is taken from where the tasks ran; `grt tokenize merge DIR` run from
+    another folder merges DIR itself (not DIR's relative path again under the new working folder)."""
+    data = _corpus(tmp_path / "corpus")
+    one = _recipe(tmp_path, data, "one")
+    assert main(["tokenize", str(one)]) == 0
+    (tmp_path / "rel.yaml").write_text(yaml.safe_dump({"name": "tok", "data": {**data, "dataset_dir": "data/ds"}}))
+    monkeypatch.chdir(tmp_path)
+    for i in range(2):
+        assert main(["tokenize", "rel.yaml", "--tasks", "2", "--task-id", str(i)]) == 0
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    assert main(["tokenize", "merge", str(tmp_path / "data" / "ds")]) == 0
+    assert tree(tmp_path / "data" / "ds") == tree(tmp_path / "one")
+    assert not (tmp_path / "elsewhere" / "data").exists()

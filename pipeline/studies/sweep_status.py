@@ -8,6 +8,11 @@ job `grt sweep --launcher slurm` submitted for it, when there is one):
 - failed: its job ended without finishing the run, with the last ``error:`` line of its log (else the log's last
   line); without a job, a run folder trained part way and held by no one;
 - not started: no job and no run folder (without SLURM, "queued" reads "not started").
+
+With tracking on, each line also gives its MLflow run's status and last logged step (the run of that name with the
+sweep's tag, newest first): the one view of a run whose folder is on another node's disk. A run folder this node
+cannot see then takes its state from MLflow (running, failed for FAILED / KILLED, trained for FINISHED without an
+evaluation here).
 """
 from __future__ import annotations
 
@@ -21,14 +26,32 @@ from pathlib import Path
 from pipeline.runtime.exit_status import OK
 
 PENDING = {"PENDING", "CONFIGURING", "REQUEUED", "REQUEUE_HOLD", "RESIZING", "SUSPENDED"}
+RUNNING = {"RUNNING", "COMPLETING", "STAGE_OUT", "SIGNALING"}  # squeue also lists an ended job for a while
+# (MinJobAge) in its final state: COMPLETED, FAILED, TIMEOUT, CANCELLED, NODE_FAIL, OUT_OF_MEMORY, PREEMPTED, ...
 
 
 def lock_held(run_dir: Path) -> bool:
-    """True when a process holds the run folder's lock (pipeline.runtime.locking's flock on ``.lock``)."""
+    """True when a process holds the run folder's lock (pipeline.runtime.locking's flock on ``.lock``), read from
+    /proc/locks without touching the lock: a probe that took it, even for a moment, could make a run starting at
+    that moment stop as "in use by another job". Where /proc/locks is absent (not Linux), a non-blocking try."""
     from pipeline.runtime.locking import LOCK_FILE
 
+    lock = Path(run_dir) / LOCK_FILE
     try:
-        fd = os.open(Path(run_dir) / LOCK_FILE, os.O_RDONLY)
+        st = lock.stat()
+    except OSError:
+        return False
+    try:
+        table = Path("/proc/locks").read_text()
+    except OSError:
+        return _try_lock(lock)
+    ident = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    return any(f[1] == "FLOCK" and ident in f for f in (line.split() for line in table.splitlines()) if len(f) > 5)
+
+
+def _try_lock(lock: Path) -> bool:
+    try:
+        fd = os.open(lock, os.O_RDONLY)
     except OSError:
         return False
     try:
@@ -77,8 +100,55 @@ def last_error(log: Path) -> str:
     return (errors or lines or [f"empty log ({log})"])[-1]
 
 
-def run_state(cfg, job: dict | None) -> tuple[str, str]:
-    """(state, detail) of one recipe's run."""
+def mlflow_view(cfg, tag: str) -> tuple[str, int | None] | None:
+    """(status, last step with a ``loss``) of the newest MLflow run named ``cfg.name`` with the tag ``sweep=tag``;
+    None with tracking off or no such run; ("unreachable: WHY", None) when the store does not answer."""
+    from pipeline.config.recipe_files import sqlite_file
+
+    db = sqlite_file(cfg.tracking.uri)
+    if not cfg.tracking.enabled or (db is not None and not db.is_file()):  # (a status never creates a store)
+        return None
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")  # a status line, not a training run: no retries
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
+    from mlflow.tracking import MlflowClient
+
+    from pipeline.tracking.server import short_error
+
+    try:
+        client = MlflowClient(tracking_uri=cfg.tracking.uri)
+        exp = client.get_experiment_by_name(cfg.tracking.experiment)
+        if exp is None:
+            return None
+        if "'" in cfg.name + tag:  # MLflow's filter strings cannot quote a quote
+            return None
+        runs = client.search_runs([exp.experiment_id], max_results=1, order_by=["attributes.start_time DESC"],
+                                  filter_string=f"tags.`mlflow.runName` = '{cfg.name}' and "
+                                                f"tags.sweep = '{tag}'")
+        if not runs:
+            return None
+        history = client.get_metric_history(runs[0].info.run_id, "loss")
+    except Exception as e:  # noqa: BLE001 (any store error: the line says so, the table goes on)
+        return f"unreachable: {short_error(e)}", None
+    return runs[0].info.status, max((m.step for m in history), default=None)
+
+
+def run_state(cfg, job: dict | None, tag: str | None = None) -> tuple[str, str]:
+    """(state, detail) of one recipe's run; with ``tag``, MLflow's view is added (:func:`mlflow_view`)."""
+    state, detail = folder_state(cfg, job)
+    view = mlflow_view(cfg, tag) if tag is not None else None
+    if view is None:
+        return state, detail
+    status, step = view
+    seen = f"MLflow {status}" + (f" at step {step}" if step is not None else "")
+    if state in ("not started", "queued") and step is not None:  # the run folder is on a disk this node cannot see
+        at = f"step {step}/{cfg.train.max_steps}"
+        state = {"RUNNING": "running", "FAILED": "failed", "KILLED": "failed", "FINISHED": "trained"}.get(status, state)
+        return state, f"{at} ({seen}; its run folder is not visible here)"
+    return state, f"{detail} ({seen})" if detail != "-" else seen
+
+
+def folder_state(cfg, job: dict | None) -> tuple[str, str]:
+    """(state, detail) of one recipe's run from its run folder and its SLURM job."""
     from pipeline.eval.results import saved_val_loss
     from pipeline.studies.sweep import finished
     from pipeline.train.run_folder import STOPPED
@@ -95,15 +165,16 @@ def run_state(cfg, job: dict | None) -> tuple[str, str]:
     state = job_state(job["job"]) if job else None
     if state in PENDING:
         return "queued", f"job {job['job']} {state.lower()}" + (f", {at}" if step else "")
-    if state is not None:  # RUNNING, COMPLETING: started, not yet training (tokenizing, or between steps' lock)
+    if state in RUNNING:  # started, not yet training (tokenizing, or between steps' lock)
         return "running", f"job {job['job']} {state.lower()}, {at}"
+    ended = f"job {job['job']} {state.lower()}: " if state is not None else ""  # its final state, while listed
     if (run_dir / STOPPED).is_file():
         return "stopped", f"{at} (the same submission resumes it)"
     if job:
         log = Path(job["log"])
         if not log.is_file() and step is None:
             return "queued", f"job {job['job']}"
-        return "failed", f"{at}: {last_error(log)}"
+        return "failed", f"{at}: {ended}{last_error(log)}"
     if step is not None:
         return "failed", f"{at}, stopped short and held by no one (run it again to resume)"
     return "not started", "-"
@@ -133,7 +204,7 @@ def status_rows(folder: str | Path, overrides: list, data: str | None) -> list[l
             rows.append([path.name, "-", "broken", "-", _one_line(cfg)])
             continue
         job = jobs.get(cfg.name)
-        state, detail = run_state(cfg, job)
+        state, detail = run_state(cfg, job, sweep_tag(folder))
         rows.append([path.name, cfg.name, state, job["job"] if job else "-", detail])
     return rows
 

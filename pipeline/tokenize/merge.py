@@ -8,6 +8,7 @@ after kill -9 through the same state (``DATASET/.progress``), and removes the ta
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import sys
@@ -147,6 +148,8 @@ def merge(dataset_dir: str | Path, quiet: bool = False, strict: bool | None = No
     plan = read_plan(out)
     tasks, recipe = plan["tasks"], plan["recipe"]
     cfg = from_dict({"data": plan["data"]}, source=f"{out / TASKS}/*/{PLAN}", saved=True).data
+    # the recipe's dataset_dir may be relative to where the tasks ran: the folder merged is the one given
+    cfg = dataclasses.replace(cfg, dataset_dir=str(out))
     missing = unfinished(out, cfg, tasks)
     if missing:
         how = "; ".join(f"`{task_command(recipe, tasks, i)}`" for i in missing[:3])

@@ -71,8 +71,10 @@ class ConsoleLogger(Callback):
     def on_train_start(self, trainer) -> None:
         self._file = open(trainer.run_dir / "metrics.jsonl", "a")
         where = f"resumed at step {trainer.step}" if trainer.step else "from scratch"
+        mesh = getattr(trainer.backend, "mesh", None)  # train.fsdp_shard's 2-D (replicate, shard) mesh
+        hsdp = f" (HSDP: shard {mesh.shape[1]} x replicate {mesh.shape[0]})" if mesh is not None else ""
         print(f"train: {trainer.cfg.name} ({trainer.info['shorthand']}, {trainer.info['params'] / 1e6:.2f}M params) "
-              f"{where} on {trainer.backend.name} x{trainer.backend.world_size} {trainer.device} "
+              f"{where} on {trainer.backend.name} x{trainer.backend.world_size}{hsdp} {trainer.device} "
               f"{str(trainer.amp_dtype).replace('torch.', '')}; "
               f"{next_step_tokens(trainer)} tokens/step; run folder {trainer.run_dir}", file=self.stream, flush=True)
 

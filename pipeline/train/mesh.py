@@ -32,7 +32,7 @@ def build_mesh(spec, world: int, per_node: int | None, device_type: str):
     size, problem = fsdp_shard_size(spec, world, per_node)
     if problem:
         raise ValueError(problem)
-    if spec == "world":
+    if spec == "world" or size == world:  # one shard group spanning the world: plain FSDP
         return None
     from torch.distributed.device_mesh import init_device_mesh
 
