@@ -107,28 +107,25 @@ def _call(what: str, path, fn, write: bool = False):
         raise StorageError(f"{what} {display(path)} failed: {e}; check AWS_ENDPOINT_URL and the network") from None
 
 
-def exists(path) -> bool:
-    if not is_remote(path):
-        return Path(path).exists()
+def _fresh(what: str, path, ask):
+    """``ask(fs, p)`` about an S3 object, past s3fs's listing cache (another node may have written it since)."""
     fs, p = filesystem(path)
     fs.invalidate_cache(p)
-    return _call("checking", path, lambda: fs.exists(p))
+    return _call(what, path, lambda: ask(fs, p))
+
+
+def exists(path) -> bool:
+    return Path(path).exists() if not is_remote(path) else _fresh("checking", path, lambda fs, p: fs.exists(p))
 
 
 def isdir(path) -> bool:
-    if not is_remote(path):
-        return Path(path).is_dir()
-    fs, p = filesystem(path)
-    fs.invalidate_cache(p)
-    return _call("checking", path, lambda: fs.isdir(p))
+    return Path(path).is_dir() if not is_remote(path) else _fresh("checking", path, lambda fs, p: fs.isdir(p))
 
 
 def size(path) -> int:
     if not is_remote(path):
         return Path(path).stat().st_size
-    fs, p = filesystem(path)
-    fs.invalidate_cache(p)
-    return _call("reading the size of", path, lambda: fs.size(p))
+    return _fresh("reading the size of", path, lambda fs, p: fs.size(p))
 
 
 def listdir(path) -> list[str]:

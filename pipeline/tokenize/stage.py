@@ -74,6 +74,24 @@ UP_TO_DATE_WAIT_S = 5.0  # how long a job that finds the dataset up to date wait
 FAULT_STOP_ENV = "GRT_FAULT_TOKENIZE_STOP_AT_SNAPSHOT"
 
 
+def record_results(records: list[Record], res: BatchResult) -> Iterator[tuple]:
+    """Each record of a batch with what the worker made of it: ``(record, kind, (hash, tokens, bytes, token array),
+    fields)``; the document part is zeros and None but for a document, ``fields`` (the record's field names) empty
+    but for a record without the text field (an HF row's fields come with the record)."""
+    d = offset = m = 0  # indexes of the batch's documents, their tokens, its records without the text field
+    for rec, kind in zip(records, res.kinds.tolist()):
+        doc, fields = (0, 0, 0, None), ()
+        if kind == DOC:
+            ntok = int(res.ntokens[d])
+            doc = (int(res.hashes[d]), ntok, int(res.nbytes[d]), res.tokens[offset:offset + ntok])
+            d += 1
+            offset += ntok
+        elif kind == MISSING:
+            fields = rec.fields or res.missing_fields[m]
+            m += 1
+        yield rec, kind, doc, fields
+
+
 class BadRecordError(ValueError):
     """A bad input record under `strict`."""
 
@@ -222,23 +240,12 @@ class _Job:
 
     # ------------------------------------------------------------------------------------------ handling
     def handle(self, records: list[Record], res: BatchResult, bar) -> None:
-        d = 0  # document index within the batch
-        offset = 0
-        m = 0  # index of records without the text field within the batch
         batch_bytes = sum(r.nbytes for r in records)
         # Every count here, bytes_read included, grows record by record: a state saved mid-batch (a shard completed)
         # holds each count up to the same record as its position, and a resumed job counts the rest exactly once.
-        for rec, kind in zip(records, res.kinds.tolist()):
+        for rec, kind, (h, ntok, nbytes, tokens), fields in record_results(records, res):
             src = rec.pos[0]
             self.bytes_read += rec.nbytes
-            if kind == DOC:
-                h, ntok, nbytes = int(res.hashes[d]), int(res.ntokens[d]), int(res.nbytes[d])
-                tokens = res.tokens[offset:offset + ntok]
-                d += 1
-                offset += ntok
-            elif kind == MISSING:
-                fields = rec.fields or res.missing_fields[m]  # an HF row's fields come with the record
-                m += 1
             if src in self.capped:
                 continue
             self.position = rec.pos
@@ -249,7 +256,7 @@ class _Job:
                 reason = SKIP_REASONS[kind - 1]
                 where = self.location(rec)
                 if self.strict:
-                    raise self.bad_record(rec, kind, fields if kind == MISSING else ())
+                    raise self.bad_record(rec, kind, fields)
                 st["skipped"][reason] += 1
                 if kind == MISSING and fields:
                     self.count_fields(src, Counter(fields))

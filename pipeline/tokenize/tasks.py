@@ -27,6 +27,7 @@ from pipeline.runtime.locking import FolderLock
 from pipeline.tokenize.stage import MISSING
 from pipeline.tokenize.stage import PROGRESS
 from pipeline.tokenize.stage import _Job
+from pipeline.tokenize.stage import record_results
 from pipeline.tokenize.tokenizers import FILES
 from pipeline.tokenize.worker import BLANK
 from pipeline.tokenize.worker import DOC
@@ -79,24 +80,15 @@ class TaskJob(_Job):
         self.fields: list[list[str]] = []  # of each record without the text field since the last snapshot
 
     def handle(self, records, res, bar) -> None:
-        d = offset = m = 0
-        for rec, kind in zip(records, res.kinds.tolist()):
+        for rec, kind, (h, ntok, nbytes, tokens), fields in record_results(records, res):
             self.bytes_read += rec.nbytes
             self.position = rec.pos
-            h = ntok = nbytes = 0
-            if kind == DOC:
-                h, ntok, nbytes = int(res.hashes[d]), int(res.ntokens[d]), int(res.nbytes[d])
-                tokens = res.tokens[offset:offset + ntok]
-                d += 1
-                offset += ntok
-            elif kind == MISSING:
-                fields = rec.fields or res.missing_fields[m]
-                m += 1
+            if kind == MISSING:
                 self.fields.append(list(fields))
             if kind == BLANK:
                 continue
             if kind != DOC and self.strict:
-                raise self.bad_record(rec, kind, fields if kind == MISSING else ())
+                raise self.bad_record(rec, kind, fields)
             self.events.append((kind, *rec.pos, rec.nbytes, h, ntok, nbytes))
             if kind == DOC and self.writers[DOCS].add_document(tokens):
                 self.save_state()
