@@ -6,7 +6,8 @@ listed at once with its fix (``grt launch RECIPE --check`` exits 2 when ``report
     memory      per rank, for the backend / ZeRO stage / activation checkpointing (launch/memory.py), every model
                 type at the depth that bounds its activations (R, N_r, T loops, Poisson's k grad steps), against
                 the GPU's memory; when it does not fit, the first changes that make it fit
-    data        manifest present and consistent, tokenizer identity, enough tokens for max_steps (or the epochs)
+    data        manifest present and consistent, tokenizer identity, enough tokens for max_steps (or the epochs);
+                an s3:// dataset: its manifest read from the store and its objects' sizes from one listing
     tracking    the MLflow URI reachable (http) or writable (sqlite)
     disk        free space under out_dir for keep_checkpoints + 1 checkpoints
     env         the NCCL / gloo / rendezvous variables that are set and those that are not
@@ -205,6 +206,8 @@ def _overrides(old: MemoryPlan, new: MemoryPlan) -> str:
 
 # ------------------------------------------------------------------------------------------------ data
 def _check_data(cfg, tokens_per_step: int, rep: Report) -> None:
+    from pipeline.runtime import storage
+    from pipeline.tokenize.dataset_cache import read_remote_manifest
     from pipeline.tokenize.writer import read_manifest
     from pipeline.tokenize.writer import verify_dataset
     from pipeline.train.data_match import check_dataset_matches_model
@@ -213,22 +216,30 @@ def _check_data(cfg, tokens_per_step: int, rep: Report) -> None:
     lines, train_tokens, ok = [], 0, True
     for d in dirs:
         key = "data.dataset_dir" if not cfg.data.mixture else f"data.mixture[{dirs.index(d)}].dataset_dir"
-        try:
-            manifest = read_manifest(d)
-        except (FileNotFoundError, ValueError) as e:
+        remote = storage.is_remote(d)
+        try:  # s3://: the manifest is read from the store, nothing else is downloaded
+            manifest = read_remote_manifest(str(d).rstrip("/"))[1] if remote else read_manifest(d)
+        except (OSError, ValueError) as e:
             rep.problems.append(f"data: {key}={d}: {e}")
             ok = False
             continue
         try:
             check_dataset_matches_model(manifest, cfg, f"the dataset at {d}")
-        except ValueError as e:
+        except (OSError, ValueError) as e:  # OSError: an s3:// dataset's tokenizer copy could not be read
             rep.problems.append(f"data: {e}")
             ok = False
         size = sum(sh["tokens"] * _itemsize(manifest) for info in manifest["splits"].values()
                    for sh in info["shards"])
-        full = size <= FULL_VERIFY_LIMIT
-        bad = verify_dataset(d, checksums=full)
+        full = size <= FULL_VERIFY_LIMIT and not remote
+        try:
+            bad = _remote_file_problems(d, manifest) if remote else verify_dataset(d, checksums=full)
+        except (OSError, storage.StorageError) as e:
+            rep.problems.append(f"data: {key}={d}: {e}")
+            ok = False
+            continue
         how = ("every shard's sha256, size and index rechecked" if full else
+               "every file the manifest names is in the store with the size it gives (sha256 is checked as each "
+               "node downloads the files into its dataset cache)" if remote else
                f"sizes and indexes checked against the manifest ({gb(size)}: sha256 not rechecked, run "
                f"`grt data verify {d}`)")
         for b in bad:
@@ -244,6 +255,29 @@ def _check_data(cfg, tokens_per_step: int, rep: Report) -> None:
         lines.append(f"{cfg.train.max_steps:,} steps x {per} = {need:,} tokens = "
                      f"{epochs:.2f} epoch(s) of {train_tokens:,}" + (" (repeats data)" if epochs > 1 else ""))
     rep.sections.append(("data", lines))
+
+
+def _remote_file_problems(url: str, m: dict) -> list[str]:
+    """What is wrong with the files of a dataset on the store against its manifest ``m``, from one listing: a missing
+    file, or a shard or index whose size is not what the manifest's tokens and documents give."""
+    from pipeline.runtime import storage
+    from pipeline.tokenize.writer import shard_size_problem
+
+    sizes = storage.sizes_under(url)
+    tok = m["tokenizer"].get("file")
+    out = [f"tokenizer: {tok} is missing"] if tok and tok not in sizes else []
+    for split, info in m["splits"].items():
+        for sh in info["shards"]:
+            data, index = sizes.get(sh["file"]), sizes.get(sh["index_file"])
+            wrong = [shard_size_problem(sh["file"], data, sh["tokens"], _itemsize(m)) if data is not None
+                     else f"{sh['file']} is missing"]
+            if index is None:
+                wrong.append(f"{sh['index_file']} is missing")
+            elif index != sh["documents"] * 4:
+                wrong.append(f"{sh['index_file']} holds {index:,} bytes, not the {sh['documents']:,} document "
+                             f"offsets of 4 bytes the manifest gives")
+            out += [f"{split}: {w}" for w in wrong if w]
+    return out
 
 
 def _itemsize(manifest: dict) -> int:

@@ -63,9 +63,15 @@ def train_args(plan: Plan) -> list[str]:
 
 def torchrun_command(plan: Plan, node_rank: int) -> Command:
     """Static rendezvous (``--node_rank K``); with ``--max-restarts N`` the c10d rendezvous instead, the same command
-    on every node: a static rendezvous never tells a node whose workers are healthy that another node's group
-    restarts (its ``num_nodes_waiting`` is always 0), so only the failed node would restart and the group would
-    hang; c10d's store (hosted by the agent on the endpoint's host) does, and ranks are handed out anew each round.
+    on every node but for ``is_host``: a static rendezvous never tells a node whose workers are healthy that another
+    node's group restarts (its ``num_nodes_waiting`` is always 0), so only the failed node would restart and the
+    group would hang; c10d's store (hosted by node 0's agent) does, and ranks are handed out anew each round.
+
+    ``--rdzv_conf is_host=1`` on node 0, ``is_host=0`` elsewhere: node 0 alone hosts the agents' store. Left out,
+    each agent guesses by matching the endpoint against its own hostname and addresses (torch 2.13's
+    ``c10d_rendezvous_backend._create_tcp_store``): an endpoint given as the address of another NIC (InfiniBand) or
+    a CNAME makes node 0 guess no, and every agent fails as a client after 60 s; and a store node 0 cannot open
+    (port taken) falls back silently to a client, where ``is_host=1`` fails at once.
 
     ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``: the workers of each round meet in a new store that their rank 0 hosts
     (on a free port of its node), not in the agents' store. torch 2.13's shared store keeps every round's keys
@@ -73,7 +79,8 @@ def torchrun_command(plan: Plan, node_rank: int) -> Command:
     env = {}
     if plan.max_restarts:
         rdzv = ["--rdzv_backend", "c10d", "--rdzv_endpoint", f"{plan.master_addr}:{plan.master_port}",
-                "--rdzv_id", plan.name, "--max_restarts", str(plan.max_restarts)]
+                "--rdzv_id", plan.name, "--max_restarts", str(plan.max_restarts),
+                "--rdzv_conf", f"is_host={int(node_rank == 0)}"]
         env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     else:
         rdzv = ["--node_rank", str(node_rank), "--master_addr", plan.master_addr, "--master_port",

@@ -52,10 +52,17 @@ def test_tokenize_to_s3_then_train_equals_local(tmp_path, corpus, s3_server, cac
     assert not (cache / "staging").exists() or not any((cache / "staging").iterdir())
     tokenize(s3_cfg.data, quiet=True)  # up to date: nothing rebuilt
 
+    s3_cfg.tracking.enabled = True  # the MLflow dataset input names the store, not the node cache's copy
     Trainer(s3_cfg).fit()
     Trainer(local_cfg).fit()
     got, want = _losses(s3_cfg.run_dir), _losses(local_cfg.run_dir)
     assert got == want and len(got) == 2
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(s3_cfg.tracking.uri)
+    (run,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    (source,) = [json.loads(d.dataset.source)["uri"] for d in run.inputs.dataset_inputs]
+    assert source == url
     assert main(["data", "verify", url]) == 0
 
 
@@ -78,6 +85,12 @@ def test_damaged_shard_object_is_refused(tmp_path, corpus, s3_server, cache, cap
     assert "\n" not in msg and shard in msg and "sha256" in msg and "re-tokenize" in msg
     assert hashlib.sha256(body[:-2]).hexdigest()[:16] in msg  # what the store holds, hashed independently
     assert not list(cache.glob(f"*/{shard}"))  # never renamed into the cache
+    assert not list(cache.glob("*/.*.part"))  # nor left behind under its temporary name
+    folder = next(p for p in cache.iterdir() if p.is_dir())
+    (folder / f".{shard}.99999.part").write_bytes(b"a download killed before its rename")
+    with pytest.raises(ValueError):
+        dataset_cache.local_dataset(url)
+    assert not list(cache.glob("*/.*.part"))  # the next filling of the cache removes it
     assert main(["train", str(tmp_path / "recipe.yaml")]) != 0
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and shard in err[0] and "sha256" in err[0], err
@@ -141,3 +154,48 @@ def test_ranks_on_one_node_share_the_cache(tmp_path, corpus, s3_server, cache):
     assert sorted(f.name for f in folder.iterdir() if not f.name.startswith(".")) == sorted(names + ["manifest.json"])
     for n in names:  # byte-identical to the local tokenization, no partial download left
         assert (folder / n).read_bytes() == (local / n).read_bytes(), n
+
+
+@pytest.mark.multiprocess
+def test_tokenize_to_s3_killed_mid_upload_leaves_no_manifest_and_the_rerun_finishes_it(tmp_path, corpus, s3_server,
+                                                                                       cache):
+    """`grt tokenize` to s3:// killed (SIGKILL) with 2 of the dataset's files in the store: no manifest there (it is
+    the commit marker, uploaded last); the same command again gives the objects of a clean local tokenization."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import yaml
+
+    from pipeline.tokenize.upload import FAULT_STOP_ENV
+    from tests.test_tokenize_tasks import REPO
+    from tests.test_tokenize_tasks import _stopped
+
+    url = s3_server.url("dataset")
+    (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(_recipe(tmp_path, corpus, url, "runs")))
+    cmd = [sys.executable, "-m", "pipeline.cli", "tokenize", str(tmp_path / "recipe.yaml")]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env={**os.environ, FAULT_STOP_ENV: "2"})
+    try:
+        deadline = time.time() + 60
+        while proc.poll() is None and not _stopped(proc.pid) and time.time() < deadline:
+            time.sleep(0.01)
+        assert _stopped(proc.pid), f"the upload did not stop after 2 files (exit status {proc.poll()})"
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        assert len(s3_server.keys("dataset")) == 2 and "dataset/manifest.json" not in s3_server.keys("dataset")
+    finally:
+        proc.kill()
+        proc.wait()
+    subprocess.run(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=True, timeout=120)
+
+    tokenize(from_dict(_recipe(tmp_path, corpus, str(tmp_path / "local"), "runs_local")).data, quiet=True)
+    local = tmp_path / "local"  # the reference: a clean tokenization of the same recipe to the local disk
+    names = sorted(str(p.relative_to(local)) for p in local.rglob("*") if p.is_file() and not p.name.startswith("."))
+    assert len(names) > 4 and s3_server.keys("dataset") == [f"dataset/{n}" for n in names]
+    client = s3_server.client()
+    for n in names:
+        body = client.get_object(Bucket=s3_server.bucket, Key=f"{s3_server.prefix}/dataset/{n}")["Body"].read()
+        assert body == (local / n).read_bytes(), n

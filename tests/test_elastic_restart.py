@@ -46,12 +46,19 @@ def test_a_relaunch_resumes_its_own_checkpoints_whatever_train_resume_says(tiny,
 
     first = tiny(train={"max_steps": 2, "checkpoint_interval": 2, "eval_interval": 1000})
     tokenize(first.data, quiet=True)
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
     Trainer(first).fit()
     cfg = tiny(train={"max_steps": 3, "checkpoint_interval": 2, "eval_interval": 1000, "resume": "never"})
     with pytest.raises(FileExistsError, match="train.resume=never"):
         Trainer(cfg)
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")  # a requeue's counters, but in another job
+    monkeypatch.setenv("SLURM_JOB_ID", "5151")
+    with pytest.raises(FileExistsError, match="relaunch .* of slurm job 5151, but .*step_00000002 was written by "
+                                              "slurm job 4242"):
+        Trainer(cfg)
     capsys.readouterr()
-    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")  # the requeued job
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")  # the requeued job itself
     trainer = Trainer(cfg)
     assert trainer.step == 2
     want = "requeue 1: resumed from step_00000002 at step 2 (SLURM_RESTART_COUNT=1)"
@@ -81,6 +88,25 @@ def test_max_restarts_renders_the_c10d_rendezvous_and_deepspeed_refuses_it():
     with pytest.raises(PlanError) as e:
         plan(launcher="deepspeed", backend="deepspeed", node_rank=0, max_restarts=1)
     assert "\n" not in str(e.value) and "--launcher torchrun" in str(e.value)
+
+
+def test_node_0_alone_hosts_the_c10d_store(monkeypatch):
+    """torchrun's own path from the argv to the store's ``is_host`` (run.config_from_args, then the
+    RendezvousParameters that launcher/api.py builds and c10d_rendezvous_backend reads): node 0 hosts, the other
+    nodes connect, whatever their hostnames and addresses say."""
+    import torch.distributed.run as tr
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # config_from_args would set it in this process otherwise
+
+    def is_host(node: int):
+        config, _, _ = tr.config_from_args(tr.get_args_parser().parse_args(
+            torchrun_command(plan(nodes=3, max_restarts=2), node).argv[1:]))
+        return RendezvousParameters(config.rdzv_backend, config.rdzv_endpoint, config.run_id, config.min_nodes,
+                                    config.max_nodes, **config.rdzv_configs).get_as_bool("is_host")
+
+    assert [is_host(k) for k in range(3)] == [True, False, False]
+    assert "--rdzv_conf" not in torchrun_command(plan(), 0).argv  # the static rendezvous: --node_rank says it
 
 
 @pytest.mark.multiprocess
@@ -121,3 +147,38 @@ def test_a_killed_worker_restarts_the_group_which_resumes_and_finishes_with_the_
     assert runs_found[0].info.run_id == json.loads((run / "run.json").read_text())["mlflow_run_id"]
     assert runs_found[0].data.tags["grt.restarts"] == "1" and runs_found[0].data.tags["grt.last_restart"] == want
     assert max(m.step for m in client.get_metric_history(runs_found[0].info.run_id, "loss")) == STEPS
+
+
+@pytest.mark.multiprocess
+def test_a_restart_before_the_first_checkpoint_starts_over_in_the_same_mlflow_run(tmp_path):
+    """A worker killed before any checkpoint: the restarted group (torchrun's counters in its environment) starts
+    over from step 0, says so, keeps the earlier history aside, continues the MLflow run that run.json names, and
+    trains the losses of an uninterrupted run."""
+    import subprocess
+
+    import yaml
+    from mlflow.tracking import MlflowClient
+
+    path = launched_recipe(tmp_path, max_steps=3, checkpoint_interval=1000, eval_interval=1000)
+    train = [sys.executable, "-m", "pipeline.cli", "train", str(path), "tracking.enabled=true"]
+    killed = subprocess.run([*train, "name=elastic"], env=subprocess_env(GRT_FAULT_KILL_AT_STEP="2"),
+                            capture_output=True, text=True, timeout=300)
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    run = tmp_path / "runs" / "elastic"
+    assert not (run / "checkpoints").exists() or not list((run / "checkpoints").glob("step_*"))
+    restarted = subprocess.run([*train, "name=elastic"], capture_output=True, text=True, timeout=300,
+                               env=subprocess_env(GRT_FAULT_KILL_AT_STEP="2", TORCHELASTIC_RESTART_COUNT="1",
+                                                  TORCHELASTIC_MAX_RESTARTS="2"))  # (the hook skips a restart)
+    assert restarted.returncode == 0, restarted.stderr[-2000:]
+    line = "restart 1 of 2: no checkpoint yet: started over from step 0 at step 0 (TORCHELASTIC_RESTART_COUNT=1)"
+    assert line in restarted.stdout.splitlines()
+    assert [json.loads(x)["line"] for x in (run / "restarts.jsonl").read_text().splitlines()] == [line]
+    assert len(list(run.glob("metrics.before-*.jsonl"))) == 1  # the killed attempt's steps 1-2, kept aside
+    clean = subprocess.run([*train, "name=clean", "tracking.enabled=false"], env=subprocess_env(),
+                           capture_output=True, text=True, timeout=300)
+    assert clean.returncode == 0, clean.stderr[-2000:]
+    assert step_losses(run) == step_losses(tmp_path / "runs" / "clean")
+    client = MlflowClient(yaml.safe_load(path.read_text())["tracking"]["uri"])
+    found = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    assert len(found) == 1 and found[0].info.run_id == json.loads((run / "run.json").read_text())["mlflow_run_id"]
+    assert found[0].data.tags["grt.last_restart"] == line

@@ -1,7 +1,8 @@
 """HSDP (``train.fsdp_shard``) on this CPU: 4 gloo ranks as 2 simulated nodes x 2 (two torchrun agents on
 127.0.0.1, ``train.fsdp_shard=node``: shard within a node, replicate across the two). Its losses and gradient norms
 equal one process's to the tolerance of tests/test_distributed.py's fsdp equivalence, and its checkpoint at step 4
-(DCP shards of a 2-D mesh) resumes under flat FSDP on 2 ranks with the losses of the uninterrupted HSDP run."""
+(DCP shards of a 2-D mesh) resumes under flat FSDP on 2 ranks with the losses of the uninterrupted HSDP run; that
+flat run's step-6 checkpoint resumes in turn under HSDP with ``train.fsdp_shard=2`` on one agent of 4 ranks."""
 from __future__ import annotations
 
 import shutil
@@ -78,10 +79,25 @@ def test_hsdp_on_two_nodes_matches_one_process_and_resumes_under_fsdp_on_two_ran
     shutil.copytree(runs / "hsdp", runs / "resumed")
     shutil.rmtree(runs / "resumed" / "checkpoints" / f"step_{STEPS:08d}")
     p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                        str(free_port()), *_train(recipe, "resumed", "train.backend=fsdp")], cwd=REPO,
-                       env=subprocess_env(), capture_output=True, text=True, timeout=600)
+                        str(free_port()), *_train(recipe, "resumed", "train.backend=fsdp",
+                                                  f"train.checkpoint_interval={CKPT_EVERY // 2}")],  # also step 6
+                       cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=600)
     _check(p)
     resume_check.assert_resumed(p.stdout, CKPT_EVERY, STEPS, on="fsdp x2")
     resumed = step_losses(runs / "resumed")
     for step in range(CKPT_EVERY + 1, STEPS + 1):
         assert resumed[step] == pytest.approx(hsdp[step], rel=1e-5, abs=1e-6), step
+
+    # the other way: flat FSDP's step-6 checkpoint (2 ranks) resumes under HSDP with train.fsdp_shard=2 on ONE
+    # torchrun agent of 4 ranks (its shard groups of 2 come from the number, not from the node layout)
+    again = CKPT_EVERY + CKPT_EVERY // 2
+    shutil.copytree(runs / "resumed", runs / "rehsdp")
+    shutil.rmtree(runs / "rehsdp" / "checkpoints" / f"step_{STEPS:08d}")
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4", "--master_port",
+                        str(free_port()), *_train(recipe, "rehsdp", "train.backend=fsdp", "train.fsdp_shard=2")],
+                       cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=600)
+    _check(p)
+    resume_check.assert_resumed(p.stdout, again, STEPS, on="fsdp x4 (HSDP: shard 2 x replicate 2)")
+    rehsdp = step_losses(runs / "rehsdp")
+    for step in range(again + 1, STEPS + 1):
+        assert rehsdp[step] == pytest.approx(single[step], rel=1e-5, abs=1e-5), step

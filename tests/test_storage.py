@@ -58,12 +58,17 @@ def test_errors_and_output_never_show_credentials(s3_server, capfd):
     assert SECRET not in text and ACCESS_KEY not in text
 
 
-def test_an_s3_out_dir_is_refused_in_one_line(tmp_path):
-    from pipeline.config import RecipeError
+def test_an_s3_out_dir_runs_in_a_local_copy_of_the_url(tmp_path, monkeypatch):
     from pipeline.config import load_recipe
 
     recipe = tmp_path / "r.yaml"
     recipe.write_text("name: r\n")
-    with pytest.raises(RecipeError, match="out_dir='s3://b/runs': run folders on object storage are not supported"):
-        load_recipe(recipe, ["out_dir=s3://b/runs"])
+    monkeypatch.setenv("GRT_RUN_CACHE", str(tmp_path / "cache"))
+    cfg = load_recipe(recipe, ["out_dir=s3://bkt/team/runs/"])
+    assert cfg.run_url == "s3://bkt/team/runs/r"
+    assert cfg.run_dir == tmp_path / "cache" / "s3" / "bkt" / "team" / "runs" / "r"
+    monkeypatch.delenv("GRT_RUN_CACHE")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert cfg.run_dir == tmp_path / "xdg" / "grt" / "runs" / "s3" / "bkt" / "team" / "runs" / "r"
+    assert load_recipe(recipe, [f"out_dir={tmp_path}"]).run_url is None
     assert not (tmp_path / "s3:").exists() and not list(tmp_path.glob("s3*"))

@@ -44,3 +44,36 @@ def test_dead_holder_on_this_host_is_taken_over(s3_server):
     assert lock.took_over["pid"] == 2 ** 22 + 17
     lock.release()
     assert s3_server.keys() == []
+
+
+def test_a_conflicting_conditional_put_is_asked_again_until_the_other_write_lands(monkeypatch):
+    """AWS S3 answers 409 ConditionalRequestConflict while another conditional PUT of the key is in flight: not an
+    error of the lock, a question to ask again (the other write then makes it a 412: the lock is taken)."""
+    from pipeline.runtime import storage
+
+    answers = []
+
+    class Store:  # the S3 answers, in order, that s3fs would raise as OSErrors
+        def __init__(self, script):
+            self.script = list(script)
+
+        def pipe_file(self, path, data, mode):
+            answers.append(path)
+            what = self.script.pop(0)
+            if what == "conflict":
+                raise OSError("An error occurred (ConditionalRequestConflict) when calling the PutObject operation: "
+                              "409")
+            if what == "exists":
+                raise OSError("An error occurred (PreconditionFailed) when calling the PutObject operation: 412")
+
+        def invalidate_cache(self, path):
+            pass
+
+    monkeypatch.setattr(storage.time, "sleep", lambda s: None)
+    monkeypatch.setattr(storage, "filesystem", lambda path: (Store(["conflict", "conflict", "exists"]), "b/k"))
+    assert storage.create_exclusive("s3://b/k", b"x") is False and len(answers) == 3
+    monkeypatch.setattr(storage, "filesystem", lambda path: (Store(["conflict", "ok"]), "b/k"))
+    assert storage.create_exclusive("s3://b/k", b"x") is True
+    monkeypatch.setattr(storage, "filesystem", lambda path: (Store(["conflict"] * 20), "b/k"))
+    with pytest.raises(storage.StorageError, match="ConditionalRequestConflict"):
+        storage.create_exclusive("s3://b/k", b"x")

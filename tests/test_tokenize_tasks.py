@@ -6,17 +6,25 @@ import hashlib
 import json
 import os
 import random
+import re
+import shutil
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import yaml
 
 from pipeline.cli import main
+from pipeline.config import from_dict
+from pipeline.tokenize.merge import merge
+from pipeline.tokenize.merge import unit_problems
+from pipeline.tokenize.sources import Unit
 from pipeline.tokenize.stage import FAULT_STOP_ENV
+from pipeline.tokenize.stage import data_fingerprint
 from pipeline.tokenize.tasks import slice_units
 
 REPO = Path(__file__).resolve().parents[1]
@@ -144,3 +152,156 @@ def test_merge_writes_into_the_folder_it_is_given_from_any_working_folder(tmp_pa
     assert main(["tokenize", "merge", str(tmp_path / "data" / "ds")]) == 0
     assert tree(tmp_path / "data" / "ds") == tree(tmp_path / "one")
     assert not (tmp_path / "elsewhere" / "data").exists()
+
+
+def _tasks(recipe: Path, n: int, ids=None, force: bool = False) -> None:
+    for i in range(n) if ids is None else ids:
+        assert main(["tokenize", str(recipe), "--tasks", str(n), "--task-id", str(i), *(["--force"] * force)]) == 0
+
+
+def test_force_redoes_a_task_and_a_task_checks_the_folder_it_merges_into(tmp_path, capsys):
+    data = _corpus(tmp_path / "corpus")
+    one = _recipe(tmp_path, data, "one")
+    assert main(["tokenize", str(one)]) == 0
+    ref = tree(tmp_path / "one")
+    capsys.readouterr()
+    _tasks(one, 3, [0])  # this config's finished dataset: up to date, nothing written
+    assert "is up to date" in capsys.readouterr().out and not (tmp_path / "one" / ".tasks").exists()
+    other = tmp_path / "other.yaml"  # another data config, same folder: refused in one line, both fingerprints
+    other.write_text(yaml.safe_dump({"name": "tok", "data": {**data, "val_fraction": 0.3,
+                                                             "dataset_dir": str(tmp_path / "one")}}))
+    assert main(["tokenize", str(other), "--tasks", "3", "--task-id", "0"]) == 1
+    err = capsys.readouterr().err.strip()
+    fp_one = json.loads(ref["manifest.json"])["fingerprint"]
+    fp_other = data_fingerprint(from_dict({"data": {**data, "val_fraction": 0.3}}).data)
+    assert "\n" not in err and fp_one in err and fp_other in err and "--force" in err, err
+    assert tree(tmp_path / "one") == ref
+
+    multi = _recipe(tmp_path, data, "multi")
+    out = tmp_path / "multi"
+    _tasks(multi, 3)
+    shard = sorted((out / ".tasks/0").glob("docs_*.bin"))[1]
+    shard.write_bytes(bytes(len(shard.read_bytes())))  # task 0's output damaged after it finished
+    (out / ".tasks/0/mine.txt").write_text("a user's file")
+    (out / "notes.txt").write_text("a user's file")
+    _tasks(multi, 3, [0])
+    assert "task 0 of 3 is done" in capsys.readouterr().out  # without --force a finished task is kept
+    _tasks(multi, 3, [0], force=True)
+    run = capsys.readouterr()
+    assert "resuming" not in run.err and "is done" not in run.out and "task 0 of 3:" in run.out
+    assert (out / ".tasks/0/mine.txt").read_text() == "a user's file"  # only what grt wrote is redone
+    (out / ".tasks/0/mine.txt").unlink()
+    assert main(["tokenize", "merge", str(out)]) == 0
+    got = tree(out)
+    assert got.pop("notes.txt") == b"a user's file"
+    assert got == ref
+    # --force on a finished dataset: its manifest goes (the merge rebuilds it), the task is redone, user files stay
+    _tasks(multi, 3, [1], force=True)
+    assert not (out / "manifest.json").exists() and (out / "notes.txt").is_file()
+    capsys.readouterr()
+    assert main(["tokenize", "merge", str(out)]) == 1
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "tasks 0, 2 of 3 are missing or unfinished" in err, err
+    _tasks(multi, 3, [0, 2])
+    other.write_text(yaml.safe_dump({"name": "tok", "data": {**data, "val_fraction": 0.3, "dataset_dir": str(out)}}))
+    assert main(["tokenize", str(other)]) == 0  # another config's dataset written into the folder meanwhile
+    capsys.readouterr()
+    assert main(["tokenize", "merge", str(out)]) == 1
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and fp_other in err and "--force" in err, err
+    assert main(["tokenize", "merge", str(out), "--force"]) == 0
+    got = tree(out)
+    assert got.pop("notes.txt") == b"a user's file"
+    assert got == ref
+
+
+def test_merge_checks_the_units_the_tasks_read_against_the_split_of_the_sources(tmp_path, capsys):
+    """A file grown and a file added after the tasks ran: the merge names the units and the tasks to redo; redoing
+    them (--force) gives the one-node dataset of the sources as they are now."""
+    data = _corpus(tmp_path / "corpus")
+    multi = _recipe(tmp_path, data, "multi")
+    out = tmp_path / "multi"
+    _tasks(multi, 3)
+    a = tmp_path / "corpus" / "a"
+    before = (a / "part0.jsonl").stat().st_size
+    with open(a / "part0.jsonl", "a") as f:
+        f.write(json.dumps({"text": "a document added to part0 after its task ran"}) + "\n")
+    (a / "part6.jsonl").write_text("".join(json.dumps({"text": f"new document {i} " * 30}) + "\n" for i in range(40)))
+    one = _recipe(tmp_path, data, "one")
+    assert main(["tokenize", str(one)]) == 0
+    ref = tree(tmp_path / "one")
+    capsys.readouterr()
+    assert main(["tokenize", "merge", str(out)]) == 1
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and not (out / "manifest.json").exists(), err
+    assert f"in no task: {a / 'part6.jsonl'}" in err, err
+    assert f"{a / 'part0.jsonl'} at {before:,} bytes (task 0), now {(a / 'part0.jsonl').stat().st_size:,} bytes" in err
+    redo = sorted({int(i) for i in re.findall(r"--task-id (\d+) --force", err)})
+    assert 0 in redo and redo == sorted(set(redo)), err
+    _tasks(multi, 3, redo, force=True)
+    assert main(["tokenize", "merge", str(out)]) == 0
+    assert tree(out) == ref
+
+
+def test_merge_never_mixes_in_the_folders_of_a_run_with_another_number_of_tasks(tmp_path, capsys, monkeypatch):
+    data = _corpus(tmp_path / "corpus")
+    one = _recipe(tmp_path, data, "one")
+    assert main(["tokenize", str(one)]) == 0
+    ref = tree(tmp_path / "one")
+    multi = _recipe(tmp_path, data, "multi")
+    out = tmp_path / "multi"
+    _tasks(multi, 4)  # an earlier attempt with 4 tasks, then 3
+    _tasks(multi, 3, [0, 1])
+    capsys.readouterr()
+    assert main(["tokenize", "merge", str(out)]) == 1
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "newest run is --tasks 3" in err, err
+    assert "folder 2 (--tasks 4, " in err and "--tasks 3 --task-id 2`" in err, err  # replaced by task 2 of 3
+    assert "folder 3 (--tasks 4, " in err and f"rm -r {out / '.tasks' / '3'}" in err, err  # left over
+    _tasks(multi, 3, [2])
+    assert main(["tokenize", "merge", str(out)]) == 1
+    err = capsys.readouterr().err.strip()
+    assert "folder 2" not in err and f"rm -r {out / '.tasks' / '3'}`" in err, err
+    assert not (out / "manifest.json").exists()
+    shutil.rmtree(out / ".tasks" / "3")  # as the message says
+    # the merge dies once it has deleted some of what the tasks wrote (after the manifest): run again, it is done
+    rmtree = shutil.rmtree
+
+    def killed_after(path, *args, **kwargs):
+        existed = Path(path).exists()
+        rmtree(path, *args, **kwargs)
+        if existed and ".tasks" in str(path):
+            raise _Killed
+
+    monkeypatch.setattr(shutil, "rmtree", killed_after)
+    with pytest.raises(_Killed):
+        merge(out, quiet=True)
+    monkeypatch.setattr(shutil, "rmtree", rmtree)
+    assert main(["tokenize", "merge", str(out)]) == 0
+    assert "is already merged" in capsys.readouterr().out
+    assert tree(out) == ref
+
+
+class _Killed(BaseException):
+    """A kill -9 at a chosen point, in process."""
+
+
+def test_unit_check_names_units_in_no_task_or_read_twice(tmp_path):
+    """Six files of 100 bytes split for 3 tasks: [f0 f1] [f2 f3] [f4 f5] (midpoints 50..550 of 600, times 3 / 600).
+    Task 1 read f1 too, and task 2 did not read f4."""
+    units = [[Unit(0, i, f"f{i}", "jsonl", 100) for i in range(6)]]
+    read = {0: [0, 1], 1: [1, 2, 3], 2: [5]}
+    for t, idx in read.items():
+        (tmp_path / ".tasks" / str(t)).mkdir(parents=True)
+        (tmp_path / ".tasks" / str(t) / "task.json").write_text(json.dumps({"units": [[0, i, f"f{i}", 100]
+                                                                                       for i in idx]}))
+    msg = unit_problems(tmp_path, SimpleNamespace(units=units), 3, "r.yaml")
+    assert "\n" not in msg and "in no task: f4 at 100 bytes;" in msg, msg
+    assert "read twice: f1 at 100 bytes (tasks 0, 1)" in msg, msg
+    assert msg.endswith("redo tasks 1, 2: `grt tokenize r.yaml --tasks 3 --task-id 1 --force`; "
+                        "`grt tokenize r.yaml --tasks 3 --task-id 2 --force`, then merge again"), msg
+    read[1], read[2] = [2, 3], [4, 5]
+    for t in (1, 2):
+        (tmp_path / ".tasks" / str(t) / "task.json").write_text(json.dumps({"units": [[0, i, f"f{i}", 100]
+                                                                                       for i in read[t]]}))
+    assert unit_problems(tmp_path, SimpleNamespace(units=units), 3, "r.yaml") is None

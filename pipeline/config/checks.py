@@ -15,9 +15,8 @@ def path_problems(cfg: RunConfig) -> list[str]:
         folders.append(("eval.task_data_dir", cfg.eval.task_data_dir))
     if sqlite_file(cfg.tracking.uri) is not None:  # the MLflow database file's folder
         folders.append(("tracking.uri", sqlite_file(cfg.tracking.uri).parent, cfg.tracking.uri))
-    if storage.is_remote(cfg.out_dir):  # the trainer's run folder is a local path still (docs/object-storage.md)
-        return [f"out_dir={cfg.out_dir!r}: run folders on object storage are not supported by the trainer yet; set "
-                "out_dir to a local or shared-filesystem folder (docs/object-storage.md)"]
+    if storage.is_remote(cfg.out_dir):  # a prefix on the store: no file can block it; the working copy can
+        folders = [f for f in folders if f[0] not in ("out_dir", "out_dir/name")] + [("out_dir/name", cfg.run_dir)]
     problems = [p for key, path, *value in folders if (p := folder_problem(key, path, *value))]
     if len(problems) > 1 and problems[0].startswith("out_dir=") and problems[1].startswith("out_dir/name="):
         del problems[1]  # the same file in the way

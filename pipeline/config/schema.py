@@ -17,6 +17,7 @@ from pipeline.model.configs import GRTConfig
 from pipeline.model.configs import ModelConfig
 from pipeline.model.configs import at_least
 from pipeline.model.configs import choice
+from pipeline.runtime import storage
 from pipeline.tokenize.tokenizers import pattern_problems
 from pipeline.train.branch_budgets import budget_problems
 from pipeline.train.branch_budgets import merge_keep_steps
@@ -441,7 +442,16 @@ class RunConfig:
 
     @property
     def run_dir(self) -> Path:
+        """The run folder this process works in: ``out_dir/name``, or for an ``out_dir`` on object storage this
+        node's working copy of :attr:`run_url` (the store keeps the run: docs/object-storage.md)."""
+        if storage.is_remote(self.out_dir):
+            return storage.local_copy(self.run_url)
         return Path(self.out_dir) / self.name
+
+    @property
+    def run_url(self) -> str | None:
+        """``out_dir/name`` on object storage (``s3://...``); None for a run folder on a filesystem."""
+        return storage.join(self.out_dir, self.name) if storage.is_remote(self.out_dir) else None
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -36,6 +36,7 @@ from pipeline.model import exits_are_layers
 from pipeline.model import model_class
 from pipeline.model import model_info
 from pipeline.model.registry import NOISY_TYPES
+from pipeline.runtime import storage
 from pipeline.tokenize.dataset_cache import local_dataset
 from pipeline.tokenize.tokenizers import trained_tokenizer
 from pipeline.tracking import open_tracker
@@ -47,6 +48,7 @@ from pipeline.train.data import check_shards
 from pipeline.train.data import validation_batches
 from pipeline.train.data import window_problems
 from pipeline.train.data_match import check_dataset_matches_model
+from pipeline.train.run_store import push_results
 from pipeline.train.trained import load_trained
 
 
@@ -168,6 +170,8 @@ def evaluate(path: str | Path, overrides: list[str] | None = None, quiet: bool =
         (out_dir / "downstream.json").write_text(json.dumps(result["downstream"], indent=2))
     if cfg.tracking.enabled:
         result["mlflow_run_id"] = log_to_mlflow(cfg, state, result, out_dir, plots)
+    if storage.is_remote(path):  # a run on object storage: its results beside it on the store
+        result["stored"] = push_results(str(path), run_dir_of(ckpt), out_dir)
     if not quiet:
         print_report(result)
     return result
@@ -364,5 +368,6 @@ def print_report(result: dict) -> None:
                 cells.append(f"{task} {metric} {value:.4f} (n={row['items']:,})")
             print(f"    depth {depth}: " + "; ".join(cells))
     saved = ["exits.json"] + (["downstream.json"] if ds else []) + [Path(p).name for p in result["plots"]]
-    print(f"  saved {Path(result['plots'][0]).parent}/: " + ", ".join(saved))
+    stored = f" (uploaded to {result['stored']}/)" if result.get("stored") else ""
+    print(f"  saved {Path(result['plots'][0]).parent}/{stored}: " + ", ".join(saved))
 

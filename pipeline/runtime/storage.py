@@ -11,6 +11,10 @@ API (small and stable; every function takes a ``str`` or ``Path``; a local path 
 - ``create_exclusive(path, data)`` -> bool: write only if the object does not exist (local ``O_EXCL``; S3 PUT with
   ``If-None-Match: *``); False when it already existed.
 - ``open_file(path, mode)``: a file object (ranged reads on S3 for ``"rb"``).
+- ``upload(local, url)`` / ``download(url, local)``: one file, streamed (multipart on S3); a download lands under a
+  temporary name and is renamed into place, so a killed one never leaves a partial file.
+- ``sizes_under(path)`` -> {relative name: bytes} of every file below a folder; ``move(src, dst)``: a tree.
+- ``local_copy(url)`` -> Path: where this node keeps its working copy of a run folder on the store.
 - ``display(path)``: the path as shown to users (never with credentials: they are not part of the URL).
 - ``storage_options(path)`` -> dict: the keyword arguments for fsspec (``endpoint_url``), for libraries that open
   the URL themselves (torch.distributed.checkpoint's FsspecWriter / FsspecReader).
@@ -23,6 +27,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+import time
 from pathlib import Path
 
 REMOTE_SCHEMES = ("s3",)
@@ -208,17 +213,89 @@ def create_exclusive(path, data: bytes) -> bool:
             f.write(data)
         return True
     fs, p = filesystem(path)
-    try:
-        _call("creating", path, lambda: fs.pipe_file(p, data, mode="create"), write=True)
-    except FileExistsError:
-        return False
-    except StorageError as e:
-        if "PreconditionFailed" in str(e) or "Precondition" in str(e):
+    for attempt in range(CONFLICT_RETRIES + 1):
+        try:
+            _call("creating", path, lambda: fs.pipe_file(p, data, mode="create"), write=True)
+            return True
+        except FileExistsError:
             return False
-        raise
+        except StorageError as e:
+            if "PreconditionFailed" in str(e) or "Precondition" in str(e):  # 412: it exists
+                return False
+            # 409 ConditionalRequestConflict: another conditional write of this key is in flight; ask again once it
+            # has landed (then: 412)
+            if "ConditionalRequestConflict" not in str(e) and "409" not in str(e) or attempt == CONFLICT_RETRIES:
+                raise
+            time.sleep(0.2 * (attempt + 1))
+        finally:
+            fs.invalidate_cache(p)
+    return False  # (not reached)
+
+
+CONFLICT_RETRIES = 8
+
+
+def upload(local, url) -> None:
+    fs, p = filesystem(url)
+    _call("uploading to", url, lambda: fs.put_file(str(local), p), write=True)
+    fs.invalidate_cache(p)
+
+
+def download(url, local) -> None:
+    local = Path(local)
+    local.parent.mkdir(parents=True, exist_ok=True)
+    tmp = local.with_name(f".{local.name}.{os.getpid()}.part")
+    fs, p = filesystem(url)
+    try:
+        _call("downloading", url, lambda: fs.get_file(p, str(tmp)))
+        os.replace(tmp, local)
     finally:
-        fs.invalidate_cache(p)
-    return True
+        tmp.unlink(missing_ok=True)
+
+
+def sizes_under(path) -> dict[str, int]:
+    """{name relative to ``path``: bytes} of every file below the folder ``path`` ({} when there is none)."""
+    if not is_remote(path):
+        root = Path(path)
+        return ({f.relative_to(root).as_posix(): f.stat().st_size for f in sorted(root.rglob("*")) if f.is_file()}
+                if root.is_dir() else {})
+    fs, p = filesystem(path)
+    fs.invalidate_cache(p)
+    try:
+        found = _call("listing", path, lambda: fs.find(p, detail=True))
+    except FileNotFoundError:
+        return {}
+    prefix = p.rstrip("/") + "/"
+    return {k[len(prefix):]: int(v["size"]) for k, v in sorted(found.items())
+            if k.startswith(prefix) and v.get("type") != "directory"}
+
+
+def move(src, dst) -> None:
+    """Move a folder and everything under it (on S3: a copy of each object, then its removal)."""
+    if not is_remote(src):
+        os.replace(src, dst)
+        return
+    fs, p = filesystem(src)
+    _, q = filesystem(dst)
+    for name in sizes_under(src):  # object by object (s3fs's recursive mv also copies the folder markers it lists)
+        _call("copying", f"{src}/{name}", lambda name=name: fs.copy(f"{p}/{name}", f"{q}/{name}"))
+    remove(src)
+    fs.invalidate_cache(q)
+
+
+RUN_CACHE_ENV = "GRT_RUN_CACHE"
+
+
+def local_copy(url) -> Path:
+    """This node's working copy of the folder at ``url`` on the store: ``$GRT_RUN_CACHE/<scheme>/<bucket>/<prefix>``
+    (default ``$XDG_CACHE_HOME/grt/runs``, i.e. ``~/.cache/grt/runs``). Training writes the run there first and the
+    store keeps what counts (docs/object-storage.md)."""
+    if os.environ.get(RUN_CACHE_ENV):
+        root = Path(os.environ[RUN_CACHE_ENV]).expanduser()
+    else:
+        root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "grt" / "runs"
+    scheme, rest = str(url).split("://", 1)
+    return root.joinpath(scheme, *[part for part in rest.split("/") if part not in ("", ".", "..")])
 
 
 def open_file(path, mode: str = "rb"):

@@ -12,7 +12,8 @@ def register(sub) -> None:
     s = add_recipe_arguments(sub.add_parser("tokenize", help="tokenize the recipe's data sources into shards + "
                                                              "manifest"))
     s.set_defaults(fn=cmd_tokenize)
-    s.add_argument("--force", action="store_true", help="rebuild even when the dataset is up to date")
+    s.add_argument("--force", action="store_true", help="rebuild even when the dataset is up to date (with --tasks: "
+                                                         "redo this task's slice; merge: over a finished dataset)")
     s.add_argument("--strict", action="store_true", help="fail on the first bad input record instead of counting it")
     s.add_argument("--workers", type=int, default=None, help="tokenizer processes (default: data.workers or CPUs)")
     s.add_argument("--tasks", type=int, default=None, metavar="N",
@@ -42,7 +43,7 @@ def cmd_tokenize(args) -> int:
 
         if len(args.overrides) != 1:
             raise ValueError("usage: grt tokenize merge DATASET_DIR (the data.dataset_dir the tasks wrote under)")
-        merge(args.overrides[0], strict=strict)
+        merge(args.overrides[0], strict=strict, force=args.force)
         return 0
     if (args.tasks is None) != (args.task_id is None):
         raise ValueError("--tasks and --task-id go together: give both (e.g. --tasks 4 --task-id 0), or neither")
@@ -51,7 +52,7 @@ def cmd_tokenize(args) -> int:
 
         recipe = " ".join([args.recipe, *args.overrides, *(["--data", args.data] if args.data else [])])
         tokenize_task(recipe_of(args).data, args.tasks, args.task_id, recipe=recipe, strict=strict,
-                      workers=args.workers)
+                      workers=args.workers, force=args.force)
         return 0
     tokenize(recipe_of(args).data, force=args.force, strict=strict, workers=args.workers)
     return 0

@@ -184,19 +184,46 @@ def _download(dataset_dir: str, name: str, sha: str, folder: Path) -> None:
     url = str(storage.join(dataset_dir, name))
     fs, path = storage.filesystem(url)
     tmp = folder / f".{name}.{os.getpid()}.part"
-    for attempt in range(2):
-        try:
-            _fetch(url, lambda: fs.get_file(path, str(tmp)))
-        except FileNotFoundError:
-            raise FileNotFoundError(f"{url} is missing, though the manifest lists it: restore it or re-tokenize the "
-                                    f"dataset (grt tokenize RECIPE --force)") from None
-        got = _sha256(tmp)
-        if got == sha:
-            os.replace(tmp, folder / name)
-            return
-    tmp.unlink(missing_ok=True)
+    try:
+        for attempt in range(2):
+            try:
+                _fetch(url, lambda: fs.get_file(path, str(tmp)))
+            except FileNotFoundError:
+                raise FileNotFoundError(f"{url} is missing, though the manifest lists it: restore it or re-tokenize "
+                                        f"the dataset (grt tokenize RECIPE --force)") from None
+            got = _sha256(tmp)
+            if got == sha:
+                os.replace(tmp, folder / name)
+                return
+    finally:
+        tmp.unlink(missing_ok=True)  # a failed or refused download leaves nothing behind
     raise ValueError(f"{url} has sha256 {got[:16]}, the manifest says {sha[:16]} (the object is damaged, cut short "
                      f"or replaced): restore it or re-tokenize the dataset (grt tokenize RECIPE --force)")
+
+
+def _cache_folder(dataset_dir: str, manifest_bytes: bytes) -> Path:
+    """The cache folder of one dataset URL and manifest (a re-tokenized dataset gets a new one)."""
+    return cache_root() / (hashlib.sha256(dataset_dir.encode()).hexdigest()[:12] + "-"
+                           + hashlib.sha256(manifest_bytes).hexdigest()[:12])
+
+
+def local_tokenizer_folder(dataset_dir: str | Path) -> Path:
+    """A local folder holding ``dataset_dir``'s tokenizer copy: itself when local; for s3://, the dataset's folder in
+    the node cache, where only that file is downloaded (and checked against the manifest's vocab_hash) when it is not
+    there yet, so that checking a recipe against a dataset on the store does not download its shards."""
+    if not storage.is_remote(dataset_dir):
+        return Path(dataset_dir)
+    dataset_dir = str(dataset_dir).rstrip("/")
+    manifest_bytes, m = read_remote_manifest(dataset_dir)
+    folder = _cache_folder(dataset_dir, manifest_bytes)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with _exclusive(folder.parent / ".lock"):
+        folder.mkdir(exist_ok=True)
+        _hold(folder)
+        name = m["tokenizer"].get("file")
+        if name and not (folder / name).is_file():
+            _download(dataset_dir, name, m["tokenizer"]["vocab_hash"], folder)
+    return folder
 
 
 def local_dataset(dataset_dir: str | Path, problems: list[str] | None = None) -> Path:
@@ -209,12 +236,12 @@ def local_dataset(dataset_dir: str | Path, problems: list[str] | None = None) ->
     manifest_bytes, m = read_remote_manifest(dataset_dir)
     root = cache_root()
     cap = cache_cap()
-    key = (hashlib.sha256(dataset_dir.encode()).hexdigest()[:12] + "-"
-           + hashlib.sha256(manifest_bytes).hexdigest()[:12])
-    folder = root / key
+    folder = _cache_folder(dataset_dir, manifest_bytes)
     root.mkdir(parents=True, exist_ok=True)
     with _exclusive(root / ".lock"):
         folder.mkdir(exist_ok=True)
+        for stale in folder.glob(".*.part"):  # a download killed before its rename (only the lock's holder downloads)
+            stale.unlink(missing_ok=True)
         _hold(folder)
         files = dataset_files(m)
         missing = [(n, s) for n, s in files if not (folder / n).is_file()]

@@ -34,6 +34,7 @@ from pipeline.tokenize.tasks import EVENT
 from pipeline.tokenize.tasks import PLAN
 from pipeline.tokenize.tasks import TASKS
 from pipeline.tokenize.tasks import read_done
+from pipeline.tokenize.tasks import split_units
 from pipeline.tokenize.tasks import task_command
 from pipeline.tokenize.tasks import task_dir
 from pipeline.tokenize.tokenizers import keep_copy
@@ -41,15 +42,52 @@ from pipeline.tokenize.worker import DOC
 from pipeline.tokenize.worker import BatchResult
 from pipeline.tokenize.writer import MANIFEST
 
+MERGED = ".tasks.merged"  # the task folders of a finished merge, being removed
+
 
 def read_plan(dataset_dir: str | Path) -> dict:
-    """What the tasks under ``DIR/.tasks`` were started with (any task's plan: they are all alike)."""
+    """The plan of the run the task folders under ``DIR/.tasks`` belong to. Folders of another run (another --tasks or
+    data config: an earlier attempt) are never mixed in: the merge refuses, naming them and what to do."""
     root = Path(dataset_dir) / TASKS
-    plans = sorted(root.glob(f"*/{PLAN}")) if root.is_dir() else []
-    if not plans:
+    runs: dict[tuple, list[tuple[float, str, dict]]] = {}  # (tasks, fingerprint) -> (mtime, folder, plan)
+    no_plan: list[str] = []
+    for d in sorted((p for p in root.iterdir() if p.is_dir()), key=_folder_order) if root.is_dir() else []:
+        try:
+            plan, mtime = json.loads((d / PLAN).read_text()), (d / PLAN).stat().st_mtime
+        except (OSError, ValueError):
+            no_plan.append(d.name)  # a task killed before it wrote its plan, or not a task's folder
+            continue
+        runs.setdefault((plan["tasks"], plan.get("fingerprint")), []).append((mtime, d.name, plan))
+    if not runs:
         raise FileNotFoundError(f"{dataset_dir} holds no tokenize tasks ({root} is missing or empty); run "
                                 f"`grt tokenize RECIPE --tasks N --task-id I` for I in 0..N-1 first")
-    return json.loads(plans[0].read_text())
+    newest = max(runs, key=lambda k: max(m for m, _, _ in runs[k]))
+    plan, tasks = max(runs[newest], key=lambda r: r[0])[2], newest[0]
+    ids = {str(i) for i in range(tasks)}
+    replaced = [(f, k) for k in runs if k != newest for _, f, _ in runs[k] if f in ids]
+    leftover = [(f, k) for k in runs if k != newest for _, f, _ in runs[k] if f not in ids]
+    leftover += [(f, None) for f in no_plan if f not in ids]
+    if replaced or leftover:
+        def run(k):
+            return "no task's plan" if k is None else f"--tasks {k[0]}, data fingerprint {k[1]}"
+
+        parts = [f"the newest run is --tasks {tasks} (data fingerprint {newest[1]}, recipe {plan['recipe']}), and "
+                 f"the merge never mixes in another run's folders"]
+        if replaced:
+            parts.append(f"folder{'s' if len(replaced) > 1 else ''} "
+                         f"{', '.join(f'{f} ({run(k)})' for f, k in replaced)} must be redone for this run: "
+                         + "; ".join(f"`{task_command(plan['recipe'], tasks, int(f))}`" for f, _ in replaced[:3]))
+        if leftover:
+            parts.append(f"folder{'s' if len(leftover) > 1 else ''} "
+                         f"{', '.join(f'{f} ({run(k)})' for f, k in leftover)} {'are' if len(leftover) > 1 else 'is'}"
+                         f" left from another run: remove {'them' if len(leftover) > 1 else 'it'} (`rm -r "
+                         f"{' '.join(str(root / f) for f, _ in leftover)}`)")
+        raise FileExistsError(f"{root} holds task folders of another run: {'; '.join(parts)}; then merge again")
+    return plan
+
+
+def _folder_order(p: Path) -> tuple:
+    return (0, int(p.name), "") if p.name.isdigit() else (1, 0, p.name)
 
 
 def unfinished(dataset_dir: str | Path, cfg: DataConfig, tasks: int) -> list[int]:
@@ -57,6 +95,56 @@ def unfinished(dataset_dir: str | Path, cfg: DataConfig, tasks: int) -> list[int
     fp = data_fingerprint(cfg)
     return [i for i in range(tasks)
             if (read_done(dataset_dir, i) or {}).get("fingerprint") != f"{fp}/task {i} of {tasks}"]
+
+
+def unit_problems(out: Path, job: _Job, tasks: int, recipe: str) -> str | None:
+    """None when the units the finished tasks read are exactly the split of the sources (as they are now) for
+    ``tasks`` tasks; else the one line that names the missing, doubled or changed units and the tasks to redo."""
+    expected = split_units([u for us in job.units for u in us], tasks)
+    got = [(read_done(out, i) or {}).get("units") for i in range(tasks)]
+    bad = [i for i in range(tasks) if got[i] != expected[i]]
+    if not bad:
+        return None
+    want = {tuple(u): i for i, us in enumerate(expected) for u in us}
+    now = {(u[0], u[2]): u for us in expected for u in us}  # by (source, file): a file's index moves when another
+    seen: dict[tuple, list[int]] = {}  # is added or removed before it
+    for i, us in enumerate(got):
+        for u in us or []:
+            seen.setdefault(tuple(u), []).append(i)
+
+    def name(u, tasks_=None) -> str:
+        size = "" if u[3] is None else f" at {u[3]:,} bytes"
+        return f"{u[2]}{size}" + (f" (task{'s' if len(tasks_) > 1 else ''} {', '.join(map(str, tasks_))})"
+                                  if tasks_ else "")
+
+    def change(u) -> str:
+        n = now.get((u[0], u[2]))
+        if n is None:
+            return "now gone"
+        if n[3] != u[3]:
+            return "now " + ("of unknown size" if n[3] is None else f"{n[3]:,} bytes")
+        return f"now unit {n[1]} of its source, not {u[1]} (a file added or removed before it)"
+
+    read = {(u[0], u[2]) for u in seen}
+    missing = [u for u in want if (u[0], u[2]) not in read]
+    changed = [(u, ts) for u, ts in seen.items() if u not in want]
+    twice = [(u, ts) for u, ts in seen.items() if len(ts) > 1]
+    moved = [(u, ts) for u, ts in seen.items() if u in want and len(ts) == 1 and want[u] != ts[0]]
+    details = []
+    for what, items in (("in no task", [(u, None) for u in missing]), ("read twice", twice),
+                        ("read by a task whose slice it is not", moved)):
+        if items:
+            details.append(f"{what}: {', '.join(name(u, ts) for u, ts in items[:4])}{' ...' if len(items) > 4 else ''}")
+    if changed:
+        details.append("not as the sources are now: " + ", ".join(
+            f"{name(u, ts)}, {change(u)}" for u, ts in changed[:4]) + (" ..." if len(changed) > 4 else ""))
+    if any(g is None for g in got):
+        details.append(f"task{'s' if sum(g is None for g in got) > 1 else ''} "
+                       f"{', '.join(str(i) for i in range(tasks) if got[i] is None)} recorded no unit list")
+    how = "; ".join(f"`{task_command(recipe, tasks, i, force=True)}`" for i in bad[:3])
+    return (f"{out}: the units the tasks read are not the split of the sources for {tasks} tasks "
+            f"({'; '.join(details) or 'another order'}); redo task{'s' if len(bad) > 1 else ''} "
+            f"{', '.join(map(str, bad))}: {how}{' ...' if len(bad) > 3 else ''}, then merge again")
 
 
 class _Tokens:
@@ -136,9 +224,11 @@ def _result(kinds, hashes, ntoks, nbytes, toks, missing, dtype) -> BatchResult:
                        missing_fields=missing)
 
 
-def merge(dataset_dir: str | Path, quiet: bool = False, strict: bool | None = None) -> dict:
-    """Write the dataset of the finished tasks under ``dataset_dir/.tasks``."""
+def merge(dataset_dir: str | Path, quiet: bool = False, strict: bool | None = None, force: bool = False) -> dict:
+    """Write the dataset of the finished tasks under ``dataset_dir/.tasks``; ``force``: also over a finished dataset
+    (of this config or another) found in the folder."""
     out = Path(dataset_dir)
+    shutil.rmtree(out / MERGED, ignore_errors=True)  # the task folders of a merge killed as it removed them
     if (out / MANIFEST).is_file() and not (out / TASKS).is_dir():
         with open(out / MANIFEST) as f:
             manifest = json.load(f)
@@ -157,9 +247,12 @@ def merge(dataset_dir: str | Path, quiet: bool = False, strict: bool | None = No
                                 f"{tasks} {'are' if len(missing) > 1 else 'is'} missing or unfinished; run {how}"
                                 f"{' ...' if len(missing) > 3 else ''}, then merge again")
     job = MergeJob(cfg, cfg.strict if strict is None else strict, quiet, tasks)
+    problem = unit_problems(out, job, tasks, recipe)
+    if problem:
+        raise ValueError(problem)
     lock = _lock_dataset(out, 0.0)
     try:
-        manifest = _finished(out, job.fingerprint)[0]
+        manifest = None if force else _finished(out, job.fingerprint)[0]
         if manifest is None:
             (out / MANIFEST).unlink(missing_ok=True)
             if not job.load_state():
@@ -171,12 +264,10 @@ def merge(dataset_dir: str | Path, quiet: bool = False, strict: bool | None = No
             manifest = job.run()
             if not quiet:
                 report(manifest, out, time.time() - t0, 1)
-        for i in range(tasks):  # what the tasks created, once the manifest is in place
-            shutil.rmtree(task_dir(out, i), ignore_errors=True)
-        try:
-            (out / TASKS).rmdir()
-        except OSError:
-            pass
+        # what the tasks created goes once the manifest is in place, renamed first: a merge killed while deleting
+        # leaves no half-removed task folders for the next merge to take for missing tasks
+        (out / TASKS).rename(out / MERGED)
+        shutil.rmtree(out / MERGED, ignore_errors=True)
     finally:
         lock.release()
     if not quiet:
@@ -184,4 +275,4 @@ def merge(dataset_dir: str | Path, quiet: bool = False, strict: bool | None = No
     return manifest
 
 
-__all__ = ["merge", "read_plan", "unfinished", "DOCS"]
+__all__ = ["merge", "read_plan", "unfinished", "unit_problems", "DOCS"]

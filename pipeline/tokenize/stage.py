@@ -418,7 +418,18 @@ def _dropped(stats: list[dict]) -> str:
 
 def wait_for_dataset(cfg: DataConfig, poll_s: float = 2.0) -> dict:
     """Wait until ``cfg.dataset_dir`` holds the finished dataset of this config (another process tokenizes it: rank 0
-    of `grt run` under torchrun, whose failure ends the whole job)."""
+    of `grt run` under torchrun, whose failure ends the whole job). An s3:// dataset is looked for in the store."""
+    if storage.is_remote(cfg.dataset_dir):
+        from pipeline.tokenize.upload import wait_for_remote
+
+        if cfg.tokenizer == "gpt2" or Path(cfg.tokenizer).expanduser().is_file():
+            fingerprint = data_fingerprint(cfg)
+            return wait_for_remote(str(cfg.dataset_dir), lambda m: fingerprint, poll_s)
+        # a node without the recipe's tokenizer file (no shared disk; rank 0 tokenized with it): this config with
+        # the tokenizer the dataset was made with, whose copy in the dataset training then reads
+        content = content_config(cfg)
+        return wait_for_remote(str(cfg.dataset_dir), lambda m: config_hash(
+            {**content, "tokenizer_sha256": m["tokenizer"]["vocab_hash"]}), poll_s)
     out, fingerprint = Path(cfg.dataset_dir), data_fingerprint(cfg)
     while True:
         try:

@@ -10,7 +10,8 @@ kind, content hash, token and byte counts) to ``events_*.npy``. :mod:`pipeline.t
 tasks 0..N-1 through the one-node job's own record handling, which makes the dataset byte-identical to a one-node run.
 
 A task is resumable after kill -9 with the one-node job's state machinery (``.progress/state.json``, saved each time a
-``docs`` shard is completed); ``task.json``, written last, marks it finished.
+``docs`` shard is completed); ``task.json``, written last, marks it finished and lists the units it read, which the
+merge checks against the split of the sources. ``--force`` redoes a task's slice from scratch.
 """
 from __future__ import annotations
 
@@ -24,13 +25,16 @@ import numpy as np
 
 from pipeline.config import DataConfig
 from pipeline.runtime.locking import FolderLock
+from pipeline.tokenize.sources import Unit
 from pipeline.tokenize.stage import MISSING
 from pipeline.tokenize.stage import PROGRESS
+from pipeline.tokenize.stage import _finished
 from pipeline.tokenize.stage import _Job
 from pipeline.tokenize.stage import record_results
 from pipeline.tokenize.tokenizers import FILES
 from pipeline.tokenize.worker import BLANK
 from pipeline.tokenize.worker import DOC
+from pipeline.tokenize.writer import MANIFEST
 from pipeline.tokenize.writer import ShardWriter
 from pipeline.tokenize.writer import atomic_write
 
@@ -58,8 +62,18 @@ def slice_units(sizes: list[int | None], tasks: int) -> list[int]:
     return out
 
 
-def task_command(recipe: str, tasks: int, task_id: int) -> str:
-    return f"grt tokenize {recipe} --tasks {tasks} --task-id {task_id}"
+def task_command(recipe: str, tasks: int, task_id: int, force: bool = False) -> str:
+    return f"grt tokenize {recipe} --tasks {tasks} --task-id {task_id}{' --force' if force else ''}"
+
+
+def split_units(units: list[Unit], tasks: int) -> list[list[list]]:
+    """Each task's units as ``[source, index, name, size]`` (what ``task.json`` records): the deterministic split of
+    the sources' units (in reading order) for ``tasks`` tasks."""
+    owner = slice_units([u.size for u in units], tasks)
+    out: list[list[list]] = [[] for _ in range(tasks)]
+    for u, t in zip(units, owner):
+        out[t].append([u.source, u.index, u.name, u.size])
+    return out
 
 
 class TaskJob(_Job):
@@ -68,10 +82,10 @@ class TaskJob(_Job):
     def __init__(self, cfg: DataConfig, strict: bool, workers: int, quiet: bool, tasks: int, task_id: int):
         super().__init__(cfg, strict, workers, quiet)
         self.tasks, self.task_id = tasks, task_id
+        self.data_fingerprint = self.fingerprint  # the one-node job's: the merged dataset's
         self.fingerprint = f"{self.fingerprint}/task {task_id} of {tasks}"
-        units = [u for us in self.units for u in us]
-        owner = slice_units([u.size for u in units], tasks)
-        self.only = {(u.source, u.index) for u, t in zip(units, owner) if t == task_id}
+        self.slice = split_units([u for us in self.units for u in us], tasks)[task_id]
+        self.only = {(source, index) for source, index, _, _ in self.slice}
         self.out = task_dir(cfg.dataset_dir, task_id)
         self.progress_dir = self.out / PROGRESS
         self.tok_spec = "gpt2" if self.tok.kind == "gpt2" else str((self.out / FILES[self.tok.kind]).resolve())
@@ -109,7 +123,7 @@ class TaskJob(_Job):
         docs = self.writers[DOCS].close()
         self._write_events(self.snapshots + 1)
         done = {"fingerprint": self.fingerprint, "tasks": self.tasks, "task_id": self.task_id,
-                "event_files": self.snapshots + 1, "docs": docs}
+                "event_files": self.snapshots + 1, "docs": docs, "units": self.slice}
         atomic_write(self.out / DONE, json.dumps(done).encode())
         return done
 
@@ -123,9 +137,10 @@ def read_done(dataset_dir: str | Path, task_id: int) -> dict | None:
 
 
 def tokenize_task(cfg: DataConfig, tasks: int, task_id: int, recipe: str, quiet: bool = False,
-                  strict: bool | None = None, workers: int | None = None) -> dict:
+                  strict: bool | None = None, workers: int | None = None, force: bool = False) -> dict | None:
     """Tokenize task ``task_id``'s slice of ``cfg``'s sources into ``DATASET/.tasks/<task_id>``; a finished task is
-    kept, an interrupted one resumed."""
+    kept, an interrupted one resumed, unless ``force``: then the slice is redone from scratch. Returns the task's
+    record, or None when the dataset folder already holds this config's finished dataset (nothing to do)."""
     import os
 
     if tasks < 1 or not 0 <= task_id < tasks:
@@ -137,22 +152,36 @@ def tokenize_task(cfg: DataConfig, tasks: int, task_id: int, recipe: str, quiet:
     strict = cfg.strict if strict is None else strict
     workers = workers or cfg.workers or os.cpu_count() or 1
     job = TaskJob(cfg, strict, workers, quiet, tasks, task_id)
+    out = Path(cfg.dataset_dir)
+    if not force:  # the folder merged into: another config's dataset is refused (one line, both fingerprints)
+        manifest = _finished(out, job.data_fingerprint)[0]
+        if manifest is not None:
+            if not quiet:
+                print(f"tokenize: {out} is up to date ({manifest['splits']['train']['tokens']:,} train tokens); "
+                      f"task {task_id} of {tasks} has nothing to do (--force to rebuild)")
+            return None
     lock = FolderLock(job.out, "tokenize task folder", fix=f" (task {task_id} of {tasks} runs twice)").acquire()
     try:
-        done = read_done(cfg.dataset_dir, task_id)
+        done = None if force else read_done(cfg.dataset_dir, task_id)
         if done is not None and done.get("fingerprint") == job.fingerprint:
             if not quiet:
                 print(f"tokenize: task {task_id} of {tasks} is done; run `grt tokenize merge {cfg.dataset_dir}` "
-                      f"when all are")
+                      f"when all are (--force to redo it)")
             return done
+        if force and (out / MANIFEST).is_file():  # the merge then rebuilds the dataset instead of keeping it
+            (out / MANIFEST).unlink()
+            if not quiet:
+                print(f"tokenize: --force: removed {out / MANIFEST}; `grt tokenize merge {out}` rebuilds the dataset "
+                      f"once all tasks are done", file=sys.stderr)
         (job.out / DONE).unlink(missing_ok=True)
-        resumed = job.load_state()
-        if not resumed:
+        resumed = not force and job.load_state()
+        if not resumed:  # from scratch: only what a task writes here goes (never other files of the folder)
             shutil.rmtree(job.progress_dir, ignore_errors=True)
             for f in job.out.glob(f"{DOCS}_[0-9][0-9][0-9][0-9][0-9][0-9].*"):
                 f.unlink()
         job.progress_dir.mkdir(exist_ok=True)
-        plan = {"tasks": tasks, "recipe": recipe, "data": dataclasses.asdict(cfg)}
+        plan = {"tasks": tasks, "recipe": recipe, "fingerprint": job.data_fingerprint,
+                "data": dataclasses.asdict(cfg)}
         atomic_write(job.out / PLAN, json.dumps(plan).encode())
         if resumed and not quiet:
             print(f"tokenize: task {task_id} of {tasks}: resuming after {job.bytes_read / 1e6:,.1f} MB of input",

@@ -10,14 +10,23 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import os
 import shutil
+import signal
 import sys
+import time
 from pathlib import Path
 
 from pipeline.runtime import storage
 from pipeline.tokenize.dataset_cache import cache_root
 from pipeline.tokenize.dataset_cache import dataset_files
 from pipeline.tokenize.writer import MANIFEST
+from pipeline.tokenize.writer import manifest_problems
+
+STORE_TRIES = 3  # polls in a row that may fail to read the store before waiting for a dataset there gives up
+# Testing hook: the upload stops itself (SIGSTOP) once this many of the dataset's files are in the store (the manifest
+# not yet), for a test to SIGKILL it at that exact point.
+FAULT_STOP_ENV = "GRT_FAULT_UPLOAD_STOP_AFTER_FILES"
 
 
 def staging_dir(url: str) -> Path:
@@ -32,6 +41,26 @@ def _remote_manifest(url: str) -> dict | None:
         return None
     except ValueError:
         return None  # damaged: rebuilt
+
+
+def wait_for_remote(url: str, fingerprint_of, poll_s: float) -> dict:
+    """Wait until the store holds a finished dataset at ``url`` whose manifest carries the fingerprint
+    ``fingerprint_of(manifest)``: the manifest is uploaded last, so every file it names is there by then. Another
+    config's or a damaged manifest is waited past (the tokenizing rank decides about it); a store this node cannot
+    read :data:`STORE_TRIES` polls in a row is an error."""
+    failures = 0
+    while True:
+        try:
+            m = _remote_manifest(url)
+            failures = 0
+        except storage.StorageError as e:
+            failures += 1
+            if failures >= STORE_TRIES:
+                raise OSError(f"waiting for the dataset at {url}: {e}") from None
+            m = None
+        if isinstance(m, dict) and not manifest_problems(m) and m.get("fingerprint") == fingerprint_of(m):
+            return m
+        time.sleep(poll_s)
 
 
 def tokenize_remote(cfg, tokenize_local, fingerprint: str, force: bool = False, quiet: bool = False, **kw) -> dict:
@@ -64,9 +93,12 @@ def tokenize_remote(cfg, tokenize_local, fingerprint: str, force: bool = False, 
     files = [name for name, _ in dataset_files(manifest)]
     if not quiet:
         print(f"tokenize: uploading {len(files)} files from {stage} to {url}", file=sys.stderr)
-    for name in files:
+    stop_after = int(os.environ.get(FAULT_STOP_ENV) or 0)
+    for n, name in enumerate(files, 1):
         fs, path = storage.filesystem(storage.join(url, name))
         fs.put_file(str(stage / name), path)
+        if n == stop_after:
+            os.kill(os.getpid(), signal.SIGSTOP)
     storage.write_bytes(storage.join(url, MANIFEST), (stage / MANIFEST).read_bytes())  # last: the commit marker
     shutil.rmtree(stage, ignore_errors=True)
     return manifest

@@ -50,7 +50,8 @@ class NullTracker:
     def log_params(self, params: dict[str, Any]) -> None: ...
     def log_metrics(self, metrics: dict[str, float], step: int) -> None: ...
     def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None: ...
-    def log_datasets(self, dataset_dirs: list[str | Path], context: str = "train") -> None: ...
+    def log_datasets(self, dataset_dirs: list[str | Path], context: str = "train",
+                     uris: list[str] | None = None) -> None: ...
     def set_tags(self, tags: dict[str, str]) -> None: ...
     def start_system_metrics(self) -> None: ...
     def flush(self) -> None: ...
@@ -126,9 +127,10 @@ def previous_run_id(run_dir: Path) -> str | None:
 
 
 # ------------------------------------------------------------------------------------------- dataset input
-def dataset_fields(dataset_dir: str | Path, context: str = "train") -> dict:
+def dataset_fields(dataset_dir: str | Path, context: str = "train", uri: str | None = None) -> dict:
     """The tokenized dataset as an MLflow dataset input: digest = sha256 of its manifest.json (which holds every
-    shard's sha256), source = the folder and the sources it was made from, profile = its token counts."""
+    shard's sha256), source = the folder (``uri``: where it lives, for one read through a local copy: s3://...) and
+    the sources it was made from, profile = its token counts."""
     from mlflow.data.dataset_source import DatasetSource
     from mlflow.data.meta_dataset import MetaDataset
 
@@ -165,7 +167,8 @@ def dataset_fields(dataset_dir: str | Path, context: str = "train") -> dict:
     manifest = json.loads(raw)
     sources = [f"{s['kind']}: {s['name'] or ', '.join(s['paths']) or 'python standard library'}"
                for s in manifest["sources"]]
-    ds = MetaDataset(TokenizedSource(str(folder), sources), name=folder.name,
+    where = uri or str(folder)
+    ds = MetaDataset(TokenizedSource(where, sources), name=where.rstrip("/").rsplit("/", 1)[-1],
                      digest=hashlib.sha256(raw).hexdigest()[:16])
     entity = ds._to_mlflow_entity()
     splits = manifest["splits"]
@@ -256,8 +259,11 @@ class Tracker(NullTracker):
         self.buffer.append({"op": "artifact", "path": str(Path(path).resolve()), "artifact_path": artifact_path})
         self._flush_if_up()
 
-    def log_datasets(self, dataset_dirs: list[str | Path], context: str = "train") -> None:
-        self.buffer.append({"op": "inputs", "datasets": [dataset_fields(d, context) for d in dataset_dirs]})
+    def log_datasets(self, dataset_dirs: list[str | Path], context: str = "train",
+                     uris: list[str] | None = None) -> None:
+        uris = uris or [None] * len(dataset_dirs)
+        self.buffer.append({"op": "inputs", "datasets": [dataset_fields(d, context, u)
+                                                         for d, u in zip(dataset_dirs, uris)]})
         self._flush_if_up()
 
     def set_tags(self, tags: dict[str, str]) -> None:

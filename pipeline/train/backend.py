@@ -149,6 +149,10 @@ class SingleProcess:
     def barrier(self, patient: bool = False) -> None:
         pass
 
+    def gather(self, obj) -> list:
+        """Every rank's ``obj`` (picklable), by rank, on every rank (the patient group: file I/O may precede it)."""
+        return [obj]
+
     def check_same_job(self, recipe: dict) -> None:
         """Refuse to start when the nodes were given different recipes or code (one process: nothing to compare)."""
 
@@ -374,6 +378,11 @@ class TorchDistributed(SingleProcess):
 
     def barrier(self, patient: bool = False) -> None:
         dist.barrier(group=self._patient_group if patient else None)
+
+    def gather(self, obj) -> list:
+        everyone: list = [None] * self.world_size
+        dist.all_gather_object(everyone, obj, group=self._patient_group)
+        return everyone
 
     def close(self, ok: bool = True) -> None:
         """``ok``: every rank got here the same way (finished or stopped together), so they wait for each other

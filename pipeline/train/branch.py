@@ -48,6 +48,9 @@ def branch_recipe(run: str, step: int, decay_steps: int, name: str | None, overr
     from pipeline.config.recipe_files import apply_overrides
     from pipeline.train.checkpoint import list_checkpoints
 
+    if "://" in run:
+        raise ValueError(f"grt branch {run}: branching from a run on object storage is not supported; copy the run to "
+                         f"a disk first (e.g. `aws s3 sync {run} runs/NAME`) and branch from that folder")
     run_dir = Path(run)
     if not (run_dir / "checkpoints").is_dir() and (Path("runs") / run / "checkpoints").is_dir():
         run_dir = Path("runs") / run  # a run's name, as grt compare takes it

@@ -8,6 +8,7 @@ import json
 import sys
 from pathlib import Path
 
+from pipeline.runtime import storage
 from pipeline.train.curriculum import accum_at
 
 
@@ -29,6 +30,11 @@ class Callback:
     def on_save_end(self, trainer) -> None: ...
     def on_checkpoint(self, trainer, path, info: dict) -> None: ...
     def on_train_end(self, trainer, status: str) -> None: ...
+
+
+def where_run_is(cfg) -> str:
+    """The run folder as said to users: on object storage, the store's URL and this node's working copy."""
+    return f"{cfg.run_url} (this node's copy: {cfg.run_dir})" if cfg.run_url else str(cfg.run_dir)
 
 
 def format_step_line(m: dict, max_steps: int) -> str:
@@ -76,7 +82,8 @@ class ConsoleLogger(Callback):
         print(f"train: {trainer.cfg.name} ({trainer.info['shorthand']}, {trainer.info['params'] / 1e6:.2f}M params) "
               f"{where} on {trainer.backend.name} x{trainer.backend.world_size}{hsdp} {trainer.device} "
               f"{str(trainer.amp_dtype).replace('torch.', '')}; "
-              f"{next_step_tokens(trainer)} tokens/step; run folder {trainer.run_dir}", file=self.stream, flush=True)
+              f"{next_step_tokens(trainer)} tokens/step; run folder {where_run_is(trainer.cfg)}", file=self.stream,
+              flush=True)
 
     def on_step_end(self, trainer, metrics: dict) -> None:
         self._file.write(json.dumps(metrics) + "\n")
@@ -99,8 +106,9 @@ class ConsoleLogger(Callback):
         rss = (f", rank-0 peak RSS {info['rss_peak_mb']:,.0f} MB ({info['rss_peak_over_before_mb']:+,.0f} MB over "
                f"its RSS before the save)" if "rss_peak_mb" in info else "")
         took = "published after" if trainer.cfg.train.async_checkpoint else "took"
-        print(f"checkpoint {path} ({info['format']}, {took} {info['checkpoint_s']:.2f} s{rss})", file=self.stream,
-              flush=True)
+        stored = f" -> {info['stored']}" if "stored" in info else ""
+        print(f"checkpoint {path}{stored} ({info['format']}, {took} {info['checkpoint_s']:.2f} s{rss})",
+              file=self.stream, flush=True)
 
     def on_train_end(self, trainer, status: str) -> None:
         if self._file:
@@ -124,9 +132,10 @@ class TrackerCallback(Callback):
         params["info.tokens_per_step"] = trainer.tokens_per_step
         self.tracker.log_params(params)
         self.tracker.set_tags({"model.type": trainer.cfg.model.type, "shorthand": trainer.info["shorthand"],
-                               "run_dir": str(trainer.run_dir.resolve())})
+                               "run_dir": trainer.cfg.run_url or str(trainer.run_dir.resolve())})
         dataset_dirs = trainer.dataset_dirs  # local folders (an s3:// dataset's copy in the node cache)
-        self.tracker.log_datasets(dataset_dirs, "train")
+        urls = [str(d) if storage.is_remote(d) else None for d in trainer.cfg.data.training_datasets()[0]]
+        self.tracker.log_datasets(dataset_dirs, "train", urls)  # an s3:// dataset is named by its URL
         self.tracker.log_artifact(trainer.run_dir / "recipe.yaml")
         for d in dataset_dirs:
             self.tracker.log_artifact(Path(d) / "manifest.json", "data" if len(dataset_dirs) == 1

@@ -13,9 +13,11 @@ from pathlib import Path
 from pipeline.config.loading import with_current_keys
 from pipeline.config.recipe_files import changed_keys
 from pipeline.runtime.exit_status import DiskFull
+from pipeline.runtime.storage import StorageError
 from pipeline.train.branch import branch_point
 from pipeline.train.branch import set_by_branch
 from pipeline.train.checkpoint import INDEX
+from pipeline.train.checkpoint import INDEX_VERSION
 from pipeline.train.checkpoint import disk_full_cause
 from pipeline.train.checkpoint import disk_full_message
 from pipeline.train.checkpoint import hash_share
@@ -26,6 +28,7 @@ from pipeline.train.checkpoint import publish
 from pipeline.train.checkpoint import set_aside_names
 from pipeline.train.checkpoint import staging_dir
 from pipeline.train.curriculum import tokens_through
+from pipeline.train.relaunch import job_identity
 from pipeline.train.relaunch import record_relaunch
 from pipeline.train.relaunch import relaunch_from_env
 from pipeline.train.run_folder import cut_metrics_back
@@ -33,6 +36,8 @@ from pipeline.train.run_folder import mark_stopped
 from pipeline.train.run_folder import newest_intact_checkpoint
 from pipeline.train.run_folder import recipe_changes
 from pipeline.train.run_folder import start_fresh_metrics
+from pipeline.train.run_store import RunStore
+from pipeline.train.run_store import step_url
 
 
 def model_config_diff(saved_recipe: dict, now: dict) -> list[str]:
@@ -95,8 +100,15 @@ class Checkpointer:
         self._pending = None  # (future or None, step, start time, PeakRSS or None, error) of the save in flight
         self.relaunch = None  # a torchrun restart or SLURM requeue of this job, agreed by :meth:`resume`
         self.relaunch_line = None  # its log line, once resumed (rank 0)
+        # out_dir on object storage: the store keeps the run, run_dir is this node's working copy
+        self.store = RunStore(cfg.run_url, self.run_dir, backend) if cfg.run_url else None
 
     # ------------------------------------------------------------------------------------------ where
+    @property
+    def kept_at(self) -> str:
+        """Where the run's checkpoints are kept, as said to users: on object storage, the store's folder."""
+        return step_url(self.store.url, 0).rpartition("/")[0] if self.store else str(self.dir)
+
     def folder(self, step: int) -> Path:
         return self.dir / f"step_{step:08d}"
 
@@ -127,6 +139,12 @@ class Checkpointer:
         """Load the newest intact checkpoint into the trainer (model, optimizer, loader, step counters), or start the
         run folder's metrics afresh when there is none; refuse what cannot be resumed, saying why and what to do."""
         self.relaunch = relaunch_from_env(backend=self.backend)  # every rank: the group's highest counts
+        if self.store is not None:  # this node's copy made to hold what the store holds intact
+            t0 = time.perf_counter()
+            pulled = self.store.pull_for_resume()
+            if pulled is not None and self.backend.is_main:
+                print(f"resume: checkpoint step {pulled} of {self.store.url} on this node's copy {self.run_dir} in "
+                      f"{time.perf_counter() - t0:.1f} s (each file checked against its index)", flush=True)
         # a branch (train.branch_from) before its first save starts from its parent's checkpoint, resumed as any
         branching = self.cfg.train.branch_from is not None and not list_checkpoints(self.dir)
         if not list_checkpoints(self.dir) and not branching:
@@ -141,8 +159,8 @@ class Checkpointer:
         # the one resume rule (pipeline/train/relaunch.py): a relaunch resumes its own job's checkpoints, whatever
         # train.resume says
         if self.cfg.train.resume == "never" and not branching and self.relaunch is None:
-            raise FileExistsError(f"{self.run_dir} already has checkpoints and train.resume=never; choose another "
-                                  f"name= or delete {self.dir}")
+            raise FileExistsError(f"{self.store.url if self.store else self.run_dir} already has checkpoints and "
+                                  f"train.resume=never; choose another name= or delete {self.kept_at}")
         newest, unindexed = ((branch_point(self.cfg, self.backend), []) if branching else
                              newest_intact_checkpoint(self.dir, self.run_dir, self.backend))
         if newest is None and unindexed:
@@ -156,6 +174,7 @@ class Checkpointer:
                              f"or remove {self.dir} to train this one from scratch")
         t0, rss = time.perf_counter(), PeakRSS()
         state = load_checkpoint(newest, map_location="cpu", verify=False)
+        self._check_own_job(newest, state, branching)
         diff = model_config_diff(state["recipe"], dataclasses.asdict(self.cfg.model))
         if diff:
             raise ValueError(f"cannot resume {newest}: the model changed since it was saved ({'; '.join(diff)}). "
@@ -178,6 +197,18 @@ class Checkpointer:
             cut_metrics_back(self.run_dir, trainer.step)
         self._record_relaunch(newest, trainer.step)
 
+    def _check_own_job(self, newest: Path, state: dict, branching: bool) -> None:
+        """train.resume=never lets a relaunch resume only the checkpoints its own job wrote: relaunch counters in the
+        environment of another job (a new job started inside a requeued allocation) do not open a finished run."""
+        if self.cfg.train.resume != "never" or branching or self.relaunch is None:
+            return
+        mine, theirs = job_identity(), state.get("job")
+        if mine != theirs:
+            raise FileExistsError(f"{self.run_dir} already has checkpoints and train.resume=never; this process is a "
+                                  f"relaunch ({self.relaunch.counters}) of {mine or 'an unnamed job'}, but {newest} "
+                                  f"was written by {theirs or 'an unnamed job'}: choose another name= or delete "
+                                  f"{self.kept_at}")
+
     def _record_relaunch(self, folder: Path | None, step: int) -> None:
         if self.relaunch is not None and self.backend.is_main:
             self.relaunch_line = record_relaunch(self.relaunch, self.run_dir, folder, step)
@@ -186,6 +217,8 @@ class Checkpointer:
         """train.spike's rollback: load ``folder`` (the newest checkpoint, or a branch's starting point; the caller
         has published any save in flight) into the running trainer as :meth:`resume` does, the metrics history kept
         (it records the rollback)."""
+        if self.store is not None and folder.parent == self.dir:  # a node-local disk holds its own ranks' files only
+            self.store.complete_local(int(folder.name.split("_")[1]))
         state = load_checkpoint(folder, map_location="cpu", verify=False)
         self._load_into(trainer, folder, state)
         trainer.spike.rolled_back(state.get("spike"))
@@ -231,7 +264,7 @@ class Checkpointer:
         state = {"step": step, "loader": trainer.loader.state_dict(), "recipe": self.cfg.to_dict(),
                  "mlflow_run_id": trainer.tracker_run_id, "info": trainer.info,
                  "skipped_steps": trainer.skipped_steps, "world_size": be.world_size,
-                 "tokens_seen": trainer.tokens_seen}
+                 "tokens_seen": trainer.tokens_seen, "job": job_identity()}
         if trainer.spike.on:  # train.spike's window (off: the checkpoint as before)
             state["spike"] = trainer.spike.state_dict()
         for cb in trainer.callbacks:
@@ -263,23 +296,61 @@ class Checkpointer:
             # write to network storage outlasts collective_timeout_s (and NCCL's watchdog)
             self._agree(step, error)
             tmp = staging_dir(self.dir, step)
-            if be.world_size > 1:  # every rank hashes a share of the files for the index (rank 0 the rest)
-                self._agree(step, attempt(hash_share, tmp, be.rank, be.world_size)[1])
-            path = self.folder(step)
-            if be.is_main:
-                path, error = attempt(publish, self.dir, step, self.cfg.to_yaml(), self.cfg.train.keep_checkpoints,
-                                      set(self.cfg.train.keep_steps))
-            self._agree(step, error)
+            if self.store is not None:
+                path = self._publish_to_store(step, tmp)
+            else:
+                if be.world_size > 1:  # every rank hashes a share of the files for the index (rank 0 the rest)
+                    self._agree(step, attempt(hash_share, tmp, be.rank, be.world_size)[1])
+                path = self.folder(step)
+                if be.is_main:
+                    path, error = attempt(publish, self.dir, step, self.cfg.to_yaml(),
+                                          self.cfg.train.keep_checkpoints, set(self.cfg.train.keep_steps))
+                self._agree(step, error)
         finally:
             for cb in trainer.callbacks:
                 cb.on_save_end(trainer)
         info = {"checkpoint": step, "format": self.cfg.train.resolved_checkpoint_format(),
                 "checkpoint_s": time.perf_counter() - t0}
+        if self.store is not None:
+            info["stored"] = step_url(self.store.url, step)
         if rss is not None:
             info.update(rss.measure())
         for cb in trainer.callbacks:
             cb.on_checkpoint(trainer, path, info)
         return path
+
+    def _publish_to_store(self, step: int, tmp: Path) -> Path:
+        """out_dir on object storage: every rank uploads its share of the staged files, rank 0 uploads the index
+        last (the commit), then each node publishes its copy (pipeline/train/run_store.py)."""
+        be, store, tc = self.backend, self.store, self.cfg.train
+        if be.is_main:
+            self._agree(step, attempt((tmp / "recipe.yaml").write_text, self.cfg.to_yaml())[1])
+        else:
+            self._agree(step, None)
+        digests, error = attempt(store.upload_share, tmp, step)
+        self._agree(step, error)
+        merged = {k: v for part in be.gather(digests) for k, v in part.items()}
+        error = None
+        if be.is_main:
+            _, error = attempt(store.commit, tmp, step, merged, tc.keep_checkpoints, set(tc.keep_steps))
+        self._agree(step, error)
+        index = {"version": INDEX_VERSION, "files": dict(sorted(merged.items()))}
+        path, error = attempt(store.publish_local, tmp, step, index, tc.keep_checkpoints, set(tc.keep_steps))
+        self._agree(step, error)
+        if be.is_main:
+            self.push_run_files()
+        return path
+
+    def push_run_files(self) -> None:
+        """Rank 0 of a run on object storage: the run files that changed, to the store (a failure is a warning: the
+        checkpoints are what a resume needs, and the next push sends them)."""
+        if self.store is None or not self.backend.is_main:
+            return
+        try:
+            self.store.push_run_files()
+        except (OSError, StorageError) as e:
+            print(f"warning: could not upload the run files of {self.run_dir} to {self.store.url}: {e}; the next "
+                  f"checkpoint tries again", file=sys.stderr, flush=True)
 
     def wait(self) -> None:
         """An async save still writing when training failed: let its thread finish before the process groups it

@@ -9,6 +9,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from pipeline.runtime import storage
 from pipeline.runtime.out_folder import check_replaceable
 
 MARKER = "grt_convert.json"  # marks a folder this command wrote (and may replace)
@@ -32,6 +33,10 @@ def convert(path: str | Path, to: str, out: str | Path | None = None) -> Path:
 
     if to not in ("full", "safetensors"):
         raise ValueError(f"--to {to!r}: choose full or safetensors")
+    if storage.is_remote(path):  # a run on object storage: this node's checked copy (its exports/ go there)
+        from pipeline.train.run_store import fetch_run
+
+        path = fetch_run(str(path))
     ckpt = resolve_checkpoint(path)
     state = load_checkpoint(ckpt, verify=False)  # verified by resolve_checkpoint
     source = checkpoint_format_of(ckpt.parent, state)
@@ -99,6 +104,8 @@ def cmd_verify(args) -> int:
     from pipeline.train.checkpoint import verify_checkpoint
     from pipeline.train.checkpoint import write_index
 
+    if storage.is_remote(args.path):
+        return verify_store_run(args)
     p = Path(args.path)
     if p.is_file() and p.suffix in (".yaml", ".yml"):
         raise ValueError(not_a_checkpoint(p))
@@ -125,6 +132,39 @@ def cmd_verify(args) -> int:
         damaged += bool(problems)
         print(f"{folder}: {'DAMAGED: ' + '; '.join(problems) if problems else 'intact'}")
     aside = set_aside_names(folders[0].parent)
+    if aside:
+        print(f"(set aside earlier as damaged, never loaded: {', '.join(aside)})")
+    return 1 if damaged else 0
+
+
+def verify_store_run(args) -> int:
+    """`grt checkpoint verify s3://...`: the objects of every checkpoint of a run on the store (or of one) against
+    its index, read from the store itself."""
+    from pipeline.train.checkpoint import STEP_DIR
+    from pipeline.train.run_store import step_url
+    from pipeline.train.run_store import store_steps
+    from pipeline.train.run_store import verify_in_store
+
+    if args.adopt:
+        raise ValueError("--adopt indexes checkpoints on a filesystem only; a checkpoint on object storage always has "
+                         "its index (an upload without one never finished): drop --adopt")
+    url = args.path.rstrip("/")
+    leaf = url.rpartition("/")[2]
+    if STEP_DIR.match(leaf):
+        run, steps = url.rpartition("/")[0].rpartition("/")[0], [int(STEP_DIR.match(leaf).group(1))]
+        found = {steps[0]: storage.sizes_under(url)}
+    else:
+        run, found = url, store_steps(url)
+        steps = list(found)
+    if not steps or not any(found.values()):
+        raise FileNotFoundError(f"no checkpoint under {url}: expected a run folder on the store (s3://.../NAME) or "
+                                f"one of its checkpoints/step_* folders")
+    damaged = 0
+    for step in steps:
+        problems = verify_in_store(step_url(run, step), found[step], checksums=not args.sizes_only)
+        damaged += bool(problems)
+        print(f"{step_url(run, step)}: {'DAMAGED: ' + '; '.join(problems) if problems else 'intact'}")
+    aside = [n for n in storage.listdir(storage.join(run, "checkpoints")) if n.startswith("damaged_step_")]
     if aside:
         print(f"(set aside earlier as damaged, never loaded: {', '.join(aside)})")
     return 1 if damaged else 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from pipeline.tokenize.dataset_cache import local_tokenizer_folder
 from pipeline.tokenize.tokenizers import saved_tokenizer
 from pipeline.tokenize.tokenizers import tokenizer_identity
 
@@ -22,8 +23,9 @@ def check_dataset_matches_model(manifest: dict, cfg: RunConfig, where: str = "th
         want = model_tokenizer
     elif spec == "gpt2" or Path(spec).expanduser().is_file():
         want = tokenizer_identity(spec, cfg.data.tiktoken_pattern)
-    else:
-        want = saved_tokenizer(spec, cfg.data.training_datasets()[0], cfg.data.tiktoken_pattern).identity()
+    else:  # an s3:// dataset's copy is read from the node cache (only that file is downloaded for it)
+        folders = [local_tokenizer_folder(d) for d in cfg.data.training_datasets()[0]]
+        want = saved_tokenizer(spec, folders, cfg.data.tiktoken_pattern).identity()
     problems = [f"{key}: dataset {tok.get(key)!r} != recipe's {cfg.data.tokenizer} tokenizer {want.get(key)!r}"
                 for key in ("name", "vocab_hash", "n_vocab", "eot_id", "pattern") if tok.get(key) != want.get(key)]
     if tok["n_vocab"] > cfg.model.vocab_size:

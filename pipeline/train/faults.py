@@ -34,6 +34,17 @@ def raise_at_step(step: int, rank: int) -> None:
         raise torch.OutOfMemoryError(f"simulated out of memory at step {step} on rank {rank} (GRT_FAULT_RAISE_AT_STEP)")
 # ... or while saving the checkpoint of this step (its files written, not yet published)
 FAULT_KILL_IN_SAVE = int(os.environ.get("GRT_FAULT_KILL_IN_SAVE", "0") or 0)
+# ... or in the upload of this step's checkpoint to object storage, once this rank has uploaded N of its files:
+# "STEP[:N]" (default 1)
+_fault_upload = os.environ.get("GRT_FAULT_KILL_IN_UPLOAD", "").partition(":")
+FAULT_KILL_IN_UPLOAD = (int(_fault_upload[0] or 0), int(_fault_upload[2] or 1))
+
+
+def after_upload(step: int, uploaded: int) -> None:
+    if step == FAULT_KILL_IN_UPLOAD[0] and uploaded >= FAULT_KILL_IN_UPLOAD[1]:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
 # ... or send this signal (name or number; default SIGINT) to rank 0 itself right after this step: "STEP[:SIGNAL]"
 _fault_signal = os.environ.get("GRT_FAULT_SIGNAL_AT_STEP", "").partition(":")
 FAULT_SIGNAL_AT_STEP = (int(_fault_signal[0] or 0), getattr(signal, _fault_signal[2] or "SIGINT", None)

@@ -29,31 +29,37 @@ from pipeline.train.checkpoint import verify_checkpoint
 METRICS = "metrics.jsonl"
 
 
-def lock_run_folder(run_dir: Path, backend) -> FolderLock | None:
+def lock_run_folder(run_dir: Path, backend, url: str | None = None) -> list[FolderLock] | None:
     """Global rank 0 takes the run folder's lock for the life of the job (creating the folder: not before, so that a
-    job that fails its checks leaves none); every rank stops when it cannot be had. None off rank 0."""
-    lock, error = None, None
+    job that fails its checks leaves none); every rank stops when it cannot be had. A run kept on object storage
+    (``url``) is locked there first (a conditional PUT: jobs on other hosts see it), then in the working copy. None
+    off rank 0."""
+    locks, error = [], None
     if backend.is_main:
         try:
-            lock = FolderLock(run_dir, "run folder",
-                              fix=", or train this recipe under another name= (a new run folder)").acquire()
+            for folder in ([url] if url else []) + [run_dir]:
+                locks.append(FolderLock(folder, "run folder",
+                                        fix=", or train this recipe under another name= (a new run folder)").acquire())
         except OSError as e:  # FolderLockedError, or the folder cannot be made
             error = e
+            for lock in reversed(locks):
+                lock.release()
     if not backend.all_true(error is None):
         if error is not None:
             raise error
-        raise FolderLockedError(f"rank 0 could not take the run folder {run_dir} (see its error)")
-    return lock
+        raise FolderLockedError(f"rank 0 could not take the run folder {url or run_dir} (see its error)")
+    return locks if backend.is_main else None
 
 
-def release_run_folder(lock: FolderLock | None, run_dir: Path, created: bool) -> None:
+def release_run_folder(locks: list[FolderLock] | None, run_dir: Path, created: bool) -> None:
     """Release the lock; a folder this job created and wrote nothing into is removed again (before the release: a
     job waiting for the lock then finds the folder gone and makes a new one)."""
-    if lock is None:
+    if locks is None:
         return
     if created and run_dir.is_dir() and not any(p.name not in (LOCK_FILE, FALLBACK_FILE) for p in run_dir.iterdir()):
         shutil.rmtree(run_dir, ignore_errors=True)
-    lock.release()
+    for lock in reversed(locks):
+        lock.release()
 
 
 def newest_intact_checkpoint(ckpt_dir: Path, run_dir: Path, be) -> tuple[Path | None, list[Path]]:

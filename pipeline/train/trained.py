@@ -11,10 +11,12 @@ from pipeline.config import RunConfig
 from pipeline.config import from_dict
 from pipeline.config.recipe_files import apply_overrides
 from pipeline.model import build_model
+from pipeline.runtime import storage
 from pipeline.train.backend import pick_device
 from pipeline.train.checkpoint import full_model_state
 from pipeline.train.checkpoint import load_checkpoint
 from pipeline.train.checkpoint import resolve_checkpoint
+from pipeline.train.run_store import fetch_run
 
 # What an override may change in a trained checkpoint's recipe: how it is evaluated, where that is logged, the device
 # it runs on, where its tokenized dataset now lies (checked against the model's tokenizer). Every other key describes
@@ -57,6 +59,8 @@ def eval_recipe(recipe: dict, overrides: list[str], source: str) -> RunConfig:
 def load_trained(path: str | Path, overrides: list[str] | None = None, device: str = "auto"):
     """(model in eval mode, recipe, checkpoint state, checkpoint file) from a run folder or checkpoint;
     ``train.device=...`` among the overrides picks the device."""
+    if storage.is_remote(path):  # a run on object storage: this node's checked copy (pipeline/train/run_store.py)
+        path = fetch_run(str(path))
     ckpt = resolve_checkpoint(path)
     state = load_checkpoint(ckpt, verify=False)  # verified by resolve_checkpoint
     overrides = list(overrides or [])

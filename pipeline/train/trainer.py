@@ -100,6 +100,10 @@ class Trainer:
         if tc.threads:
             torch.set_num_threads(tc.threads)
         torch.manual_seed(cfg.seed)  # the global RNG too (the initial weights take cfg.seed explicitly)
+        dirs, weights = cfg.data.training_datasets()
+        # an s3:// dataset: its checked copy in the node cache, fetched before the process group exists (a cold
+        # cache may take longer than any collective timeout while the other nodes wait)
+        dirs = [local_dataset(d) for d in dirs]
         self.backend = build_backend(tc)
         try:  # the nodes of one job: the same recipe and code, checked before anything else is built
             self.backend.check_same_job(cfg.to_dict())
@@ -117,8 +121,6 @@ class Trainer:
             raise ValueError(problem)
         self.run_dir = cfg.run_dir
 
-        dirs, weights = cfg.data.training_datasets()
-        dirs = [local_dataset(d) for d in dirs]  # an s3:// dataset: its checked copy in the node cache
         self.dataset_dirs = dirs
         self.dataset_dir = Path(dirs[0])
         self.train_data = [TokenShards(d, "train") for d in dirs]
@@ -200,7 +202,7 @@ class Trainer:
 
     def _lock_run_folder(self) -> FolderLock | None:
         self._created_run_dir = not self.run_dir.exists()
-        return lock_run_folder(self.run_dir, self.backend)
+        return lock_run_folder(self.run_dir, self.backend, self.cfg.run_url)
 
     def _release_run_folder(self) -> None:
         release_run_folder(self.run_lock, self.run_dir, self._created_run_dir)
@@ -281,11 +283,12 @@ class Trainer:
                 past = "past" if self.step > tc.max_steps else "at"
                 print(f"train: {self.cfg.name} is already {past} train.max_steps={tc.max_steps} (its newest "
                       f"checkpoint is step {self.step}): nothing to train. Raise train.max_steps to train "
-                      f"longer; `grt eval {self.run_dir}` evaluates it", flush=True)
+                      f"longer; `grt eval {self.cfg.run_url or self.run_dir}` evaluates it", flush=True)
         elif self.backend.is_main:
             (self.run_dir / "recipe.yaml").write_text(self.cfg.to_yaml())
             carry_tokenizer(self.cfg.data.tokenizer, self.dataset_dir, self.run_dir)  # eval/generate/export read it
             clear_stopped(self.run_dir)
+        self.checkpointer.push_run_files()  # out_dir on object storage: the store has the run files from the start
         for cb in self.callbacks:  # inside fit's try: a callback that fails still closes the tracker and the group
             cb.on_train_start(self)
         self.model.train()
@@ -499,6 +502,7 @@ class Trainer:
             cb.on_train_end(self, status)
         if self.tracker is not None:
             self.tracker.close(status)
+        self.checkpointer.push_run_files()  # (object storage) the final metrics, stopped.json
         # every rank ends together after a finish or an agreed stop; after a failure or an abort, at once
         self.backend.close(ok=status == "FINISHED" or self._stopped_together or self.checkpointer.stopped_together)
         self._release_run_folder()
