@@ -129,7 +129,10 @@ def cmd_launch(args) -> int:
     try:
         plan = make_plan(launcher=args.launcher, nodes=args.nodes, gpus_per_node=args.gpus_per_node,
                          recipe=args.recipe, overrides=args.overrides, name=cfg.name, backend=cfg.train.backend,
-                         run_dir=str(cfg.run_dir), workdir=os.getcwd(), environ=dict(os.environ),
+                         # a run on object storage: the launch files (SLURM log, hostfile) in the shared working
+                         # folder the job starts in, not in a node's copy of the run
+                         run_dir=str(Path("grt-launch") / cfg.name if cfg.run_url else cfg.run_dir),
+                         workdir=os.getcwd(), environ=dict(os.environ),
                          master_addr=args.master_addr, master_port=args.master_port, node_rank=args.node_rank,
                          data=args.data, hostfile=args.hostfile, hosts=args.hosts.split(",") if args.hosts else None,
                          setup=args.setup if args.setup is not None else default_setup(), grace_s=args.grace,

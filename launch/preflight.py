@@ -320,7 +320,9 @@ def _check_tracking(cfg, rep: Report) -> None:
 
 # ------------------------------------------------------------------------------------------------ disk
 def _check_disk(cfg, pc, bf16: bool, rep: Report) -> None:
-    out = Path(cfg.out_dir).resolve()
+    # a run on object storage: each node's copy (GRT_RUN_CACHE) holds the kept checkpoints too, not only the one
+    # being written
+    out = cfg.run_dir.resolve() if cfg.run_url else Path(cfg.out_dir).resolve()
     existing = next((p for p in (out, *out.parents) if p.exists()), Path("/"))
     free = shutil.disk_usage(existing).free
     one = memory.checkpoint_bytes(pc, cfg.train.backend, bf16)

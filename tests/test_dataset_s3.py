@@ -86,7 +86,7 @@ def test_damaged_shard_object_is_refused(tmp_path, corpus, s3_server, cache, cap
     assert hashlib.sha256(body[:-2]).hexdigest()[:16] in msg  # what the store holds, hashed independently
     assert not list(cache.glob(f"*/{shard}"))  # never renamed into the cache
     assert not list(cache.glob("*/.*.part"))  # nor left behind under its temporary name
-    folder = next(p for p in cache.iterdir() if p.is_dir())
+    folder = next(p for p in cache.iterdir() if p.is_dir() and p.name != "staging")  # the dataset's own folder
     (folder / f".{shard}.99999.part").write_bytes(b"a download killed before its rename")
     with pytest.raises(ValueError):
         dataset_cache.local_dataset(url)

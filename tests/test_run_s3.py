@@ -54,24 +54,39 @@ def test_kill_in_upload_truncated_object_eval_and_export(tmp_path, s3_server):
     assert step4 and not any(k.endswith("index.json") for k in step4), keys
     assert any(k.endswith("step_00000002/index.json") for k in keys)
 
+    # a folder on the store that grt did not upload (no index, no upload marker) is named, never removed
+    client = s3_server.client()
+    foreign = f"{s3_server.prefix}/runs/{local['name']}/checkpoints/step_00000001/state.pt"
+    client.put_object(Bucket=s3_server.bucket, Key=foreign, Body=b"someone else's")
+
     # the same command on another node (an empty disk): resumes from step 2, the newest intact checkpoint
     resumed = _grt("train", str(tmp_path / "s3.yaml"), env=node("node_b"))
     outputs.append(resumed)
     assert resumed.returncode == 0, resumed.stderr
     assert "resume: checkpoint step 2 of" in resumed.stdout
+    assert f"note: removed {url}/checkpoints/step_00000004: an upload of a checkpoint that a kill interrupted" in \
+        resumed.stderr
+    assert f"warning: ignored {url}/checkpoints/step_00000001: it has no index.json and was not uploaded by grt" in \
+        resumed.stderr
+    assert client.get_object(Bucket=s3_server.bucket, Key=foreign)["Body"].read() == b"someone else's"
+    client.delete_object(Bucket=s3_server.bucket, Key=foreign)
     got = _losses_on_store(url)
     assert got == want  # steps 1-2 of the killed run, 3-6 after the resume: an uninterrupted run's
     committed = sorted(k.rsplit("/", 2)[1] for k in s3_server.keys("runs") if k.endswith("/index.json"))
     assert committed == ["step_00000002", "step_00000004", "step_00000006"]
 
-    # eval and export straight from the store, on a third node, equal the local run's
+    # eval and export straight from the store equal the local run's; on the node that trained (node_b) they read a
+    # copy of their own: the training's copy is left as it is
     rc_eval_local = main(["eval", str(tmp_path / "runs" / local["name"]), "eval.diagnostics=false"])
     local_exits = json.loads((tmp_path / "runs" / local["name"] / "eval" / "exits.json").read_text())
-    evaluated = _grt("eval", url, "eval.diagnostics=false", env=node("node_c"))
+    trained_copy = tmp_path / "node_b" / url.replace("://", "/")
+    before = {f: f.read_bytes() for f in trained_copy.rglob("*") if f.is_file()}
+    evaluated = _grt("eval", url, "eval.diagnostics=false", env=node("node_b"))
     outputs.append(evaluated)
     assert rc_eval_local == 0 and evaluated.returncode == 0, evaluated.stderr
     store_exits = json.loads(storage.read_text(f"{url}/eval/exits.json"))
     assert store_exits["loss"] == local_exits["loss"] and store_exits["step"] == 6
+    assert {f: f.read_bytes() for f in trained_copy.rglob("*") if f.is_file()} == before
     exported = _grt("export", url, "--out", str(tmp_path / "hf_s3"), "--no-verify", env=node("node_c"))
     outputs.append(exported)
     assert exported.returncode == 0, exported.stderr
@@ -82,7 +97,7 @@ def test_kill_in_upload_truncated_object_eval_and_export(tmp_path, s3_server):
 
     # a truncated object: verify names it; the same command again falls back to step 4 (step 6 set aside), even on
     # the node whose own copy of step 6 is intact: the store decides
-    client, key = s3_server.client(), f"{s3_server.prefix}/runs/{local['name']}/checkpoints/step_00000006/state.pt"
+    key = f"{s3_server.prefix}/runs/{local['name']}/checkpoints/step_00000006/state.pt"
     body = client.get_object(Bucket=s3_server.bucket, Key=key)["Body"].read()
     client.put_object(Bucket=s3_server.bucket, Key=key, Body=body[: len(body) // 2])
     verified = _grt("checkpoint", "verify", url, env=node("node_c"))
@@ -131,11 +146,12 @@ def test_two_nodes_without_a_shared_disk(tmp_path, s3_server):
     (tmp_path / "s3.yaml").write_text(yaml.safe_dump({**local, "out_dir": s3_server.url("runs")}))
     url = s3_server.url("runs", local["name"])
 
-    def two_nodes(disks: tuple[str, str], **fault) -> list[subprocess.CompletedProcess]:
+    def two_nodes(disks: tuple[str, str], *over: str, **fault) -> list[subprocess.CompletedProcess]:
         port = str(free_port())
         procs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank",
                                    str(n), "--nproc_per_node", "1", "--master_addr", "127.0.0.1", "--master_port", port,
-                                   "-m", "pipeline.cli", "train", str(tmp_path / "s3.yaml"), "train.backend=fsdp"],
+                                   "-m", "pipeline.cli", "train", str(tmp_path / "s3.yaml"),
+                                   *(over or ["train.backend=fsdp"])],
                                   env=subprocess_env(GRT_RUN_CACHE=str(tmp_path / disks[n]), **fault), text=True,
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE) for n in (0, 1)]
         outs = [p.communicate(timeout=600) for p in procs]
@@ -159,3 +175,13 @@ def test_two_nodes_without_a_shared_disk(tmp_path, s3_server):
     assert sorted(got) == list(range(1, 7))
     for step in got:
         assert got[step] == pytest.approx(want[step], rel=1e-5, abs=1e-5), step
+
+    # DDP's full format: rank 0 alone writes; the other node's copy still publishes the step (its index only), so
+    # that every node agrees on the newest checkpoint (a rollback fetches the files)
+    for p in two_nodes(("e", "f"), "train.backend=ddp", "name=ddp", "train.max_steps=2"):
+        assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    ddp_url = s3_server.url("runs", "ddp")
+    copies = {disk: tmp_path / disk / ddp_url.replace("://", "/") / "checkpoints" / "step_00000002" for disk in "ef"}
+    assert sorted(p.name for p in copies["e"].iterdir()) == ["index.json", "recipe.yaml", "state.pt"]
+    assert sorted(p.name for p in copies["f"].iterdir()) == ["index.json"]
+    assert json.loads((copies["f"] / "index.json").read_text()) == json.loads((copies["e"] / "index.json").read_text())

@@ -77,3 +77,19 @@ def test_a_conflicting_conditional_put_is_asked_again_until_the_other_write_land
     monkeypatch.setattr(storage, "filesystem", lambda path: (Store(["conflict"] * 20), "b/k"))
     with pytest.raises(storage.StorageError, match="ConditionalRequestConflict"):
         storage.create_exclusive("s3://b/k", b"x")
+
+
+def test_an_earlier_start_of_the_same_job_on_another_host_is_taken_over(s3_server, monkeypatch, capsys):
+    """A torchrun restart or SLURM requeue whose rank 0 now runs on another node: the lock object its first start
+    left (killed on its host) names the same launcher job, so the relaunch takes it over; another job's is refused."""
+    run = s3_server.url("run")
+    monkeypatch.setenv("SLURM_JOB_ID", "777")
+    s3_server.client().put_object(Bucket=s3_server.bucket, Key=f"{s3_server.prefix}/run/{FALLBACK_FILE}",
+                                  Body=json.dumps({"host": "node-3", "pid": 99, "job": "slurm job 777"}).encode())
+    lock = FolderLock(run, "run folder").acquire()
+    assert lock.took_over["host"] == "node-3" and "took over the run folder" in capsys.readouterr().err
+    lock.release()
+    s3_server.client().put_object(Bucket=s3_server.bucket, Key=f"{s3_server.prefix}/run/{FALLBACK_FILE}",
+                                  Body=json.dumps({"host": "node-3", "pid": 99, "job": "slurm job 778"}).encode())
+    with pytest.raises(FolderLockedError, match="pid 99 on host node-3"):
+        FolderLock(run, "run folder").acquire()

@@ -77,9 +77,11 @@ def unfinished_note(ckpt: Path, state: dict, max_steps: int) -> str | None:
             f"unfinished run; the command that trained it (`grt train`, or `grt launch` on every node) resumes it")
 
 
-def evaluate(path: str | Path, overrides: list[str] | None = None, quiet: bool = False) -> dict:
+def evaluate(path: str | Path, overrides: list[str] | None = None, quiet: bool = False,
+             store: str | None = None) -> dict:
     """Early-exit curve (+ KL / top-1 to the trained depth), diagnostics and downstream tasks of a checkpoint, saved
-    under runs/NAME/eval/ and logged to the run's MLflow run."""
+    under runs/NAME/eval/ and logged to the run's MLflow run. A run on object storage (``path`` an ``s3://`` URL, or
+    ``store`` its URL when ``path`` is this node's copy): the results go to the store too."""
     t0 = time.time()
     model, cfg, state, ckpt = load_trained(path, overrides)
     if not quiet:
@@ -170,8 +172,9 @@ def evaluate(path: str | Path, overrides: list[str] | None = None, quiet: bool =
         (out_dir / "downstream.json").write_text(json.dumps(result["downstream"], indent=2))
     if cfg.tracking.enabled:
         result["mlflow_run_id"] = log_to_mlflow(cfg, state, result, out_dir, plots)
-    if storage.is_remote(path):  # a run on object storage: its results beside it on the store
-        result["stored"] = push_results(str(path), run_dir_of(ckpt), out_dir)
+    store = store or (str(path) if storage.is_remote(path) else None)
+    if store:  # a run on object storage: its results beside it on the store
+        result["stored"] = push_results(store, run_dir_of(ckpt), out_dir)
     if not quiet:
         print_report(result)
     return result

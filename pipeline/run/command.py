@@ -38,4 +38,4 @@ def run_recipe(recipe: str, overrides: list, data: str | None = None) -> None:
         wait_for_dataset(cfg.data)
     train(cfg)  # a pre-empted or interrupted run stops here (TrainingStopped: exit 143 / 130), never evaluated
     if first:  # one evaluation (in one process) per run, not one per rank
-        evaluate(cfg.run_url or cfg.run_dir)  # a run on object storage: its results go to the store too
+        evaluate(cfg.run_dir, store=cfg.run_url)  # a run on object storage: its results go to the store too

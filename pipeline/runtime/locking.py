@@ -39,10 +39,20 @@ class FolderLockedError(FileExistsError):
     """Another live job holds the folder."""
 
 
+def launch_job_id(environ=os.environ) -> str | None:
+    """The launcher's job this process belongs to, which its relaunches keep: the SLURM job id (kept across
+    requeues), else torchrun's rendezvous id (kept across restarts; not its default ``none``). None when neither
+    tells. Recorded with the lock and in each checkpoint."""
+    if environ.get("SLURM_JOB_ID"):
+        return f"slurm job {environ['SLURM_JOB_ID']}"
+    run_id = environ.get("TORCHELASTIC_RUN_ID")
+    return f"torchrun rendezvous {run_id}" if run_id and run_id != "none" else None
+
+
 def _holder_record() -> dict:
     return {"host": socket.gethostname(), "pid": os.getpid(),
             "started": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-            "command": " ".join(sys.argv), "slurm_job_id": os.environ.get("SLURM_JOB_ID")}
+            "command": " ".join(sys.argv), "slurm_job_id": os.environ.get("SLURM_JOB_ID"), "job": launch_job_id()}
 
 
 def describe_holder(record: dict | None) -> str:
@@ -106,6 +116,9 @@ class FolderLock:
             return self
         if self.remote:  # no flock on an object store: the exclusive-create lock (a conditional PUT)
             self._acquire_fallback()
+            if self.took_over:
+                print(f"note: took over the {self.what} {self.folder} from {describe_holder(self.took_over)}, "
+                      f"which ended without releasing it", file=sys.stderr, flush=True)
             self._count = 1
             _held[self.folder] = self
             return self
@@ -156,11 +169,18 @@ class FolderLock:
 
     def _acquire_fallback(self) -> None:
         path = storage.join(self.folder, FALLBACK_FILE)
+        mine = {**_holder_record(), "nonce": os.urandom(8).hex()}
         for _ in range(2):
-            if not storage.create_exclusive(path, (json.dumps(_holder_record()) + "\n").encode()):
+            if not storage.create_exclusive(path, (json.dumps(mine) + "\n").encode()):
                 record = _read_record(path)
                 local = record and record.get("host") == socket.gethostname()
-                if local and isinstance(record.get("pid"), int) and not _pid_alive(record["pid"]):
+                if record and record.get("nonce") == mine["nonce"]:  # our own create, retried after it landed
+                    self._fallback = path
+                    return
+                relaunch = record and record.get("job") and record["job"] == launch_job_id()
+                if relaunch or (local and isinstance(record.get("pid"), int) and not _pid_alive(record["pid"])):
+                    # a dead holder here, or an earlier start of this same job on any host (a torchrun restart
+                    # or a SLURM requeue, whose rank 0 may run on another node now)
                     self.took_over = record
                     storage.remove(path)
                     continue

@@ -25,6 +25,7 @@ S3 settings come only from the standard environment variables, read by botocore:
 """
 from __future__ import annotations
 
+import errno
 import os
 import tempfile
 import time
@@ -35,6 +36,10 @@ REMOTE_SCHEMES = ("s3",)
 
 class StorageError(RuntimeError):
     """An object store could not be reached or refused a request (one line: cause and fix)."""
+
+
+class DiskFullError(OSError):
+    """This node's disk filled while downloading from the store (errno ENOSPC / EDQUOT kept)."""
 
 
 def is_remote(path) -> bool:
@@ -95,7 +100,7 @@ def _call(what: str, path, fn, write: bool = False):
             raise StorageError(f"{what} {display(path)} failed: {e} (bucket {bucket}); create the bucket or fix the "
                                "URL") from None
         raise
-    except (FileExistsError, IsADirectoryError, NotADirectoryError):
+    except (FileExistsError, IsADirectoryError, NotADirectoryError, DiskFullError):
         raise
     except PermissionError as e:
         raise StorageError(f"{what} {display(path)}: access denied ({e}); check AWS_ACCESS_KEY_ID / "
@@ -246,8 +251,18 @@ def download(url, local) -> None:
     local.parent.mkdir(parents=True, exist_ok=True)
     tmp = local.with_name(f".{local.name}.{os.getpid()}.part")
     fs, p = filesystem(url)
+
+    def get():
+        try:
+            fs.get_file(p, str(tmp))
+        except OSError as e:
+            if e.errno in (errno.ENOSPC, errno.EDQUOT):  # this node's disk, not the store: say so, not "check URL"
+                raise DiskFullError(e.errno, f"no space left on the disk of {local.parent} to download {url}: free "
+                                    f"space there, or point {RUN_CACHE_ENV} / GRT_DATASET_CACHE at a larger "
+                                    f"node-local disk", str(tmp)) from None
+            raise
     try:
-        _call("downloading", url, lambda: fs.get_file(p, str(tmp)))
+        _call("downloading", url, get)
         os.replace(tmp, local)
     finally:
         tmp.unlink(missing_ok=True)
@@ -286,15 +301,17 @@ def move(src, dst) -> None:
 RUN_CACHE_ENV = "GRT_RUN_CACHE"
 
 
-def local_copy(url) -> Path:
+def local_copy(url, reader: bool = False) -> Path:
     """This node's working copy of the folder at ``url`` on the store: ``$GRT_RUN_CACHE/<scheme>/<bucket>/<prefix>``
     (default ``$XDG_CACHE_HOME/grt/runs``, i.e. ``~/.cache/grt/runs``). Training writes the run there first and the
-    store keeps what counts (docs/object-storage.md)."""
+    store keeps what counts (docs/object-storage.md). ``reader``: the copy `grt eval` / `export` read from, apart
+    (``.../read/<scheme>/...``), so that they never touch the files of a training on the same node."""
     if os.environ.get(RUN_CACHE_ENV):
         root = Path(os.environ[RUN_CACHE_ENV]).expanduser()
     else:
         root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "grt" / "runs"
     scheme, rest = str(url).split("://", 1)
+    root = root / "read" if reader else root
     return root.joinpath(scheme, *[part for part in rest.split("/") if part not in ("", ".", "..")])
 
 

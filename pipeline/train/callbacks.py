@@ -93,6 +93,7 @@ class ConsoleLogger(Callback):
 
     def on_eval(self, trainer, metrics: dict) -> None:
         self._file.write(json.dumps(metrics) + "\n")
+        self._file.flush()  # on the disk (and so in the run files a checkpoint uploads) before the next step
         depth = f"r={metrics['val_depth']}, " if metrics.get("val_depth") is not None else ""
         from pipeline.model.registry import NOISY_TYPES
 

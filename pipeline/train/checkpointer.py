@@ -13,6 +13,7 @@ from pathlib import Path
 from pipeline.config.loading import with_current_keys
 from pipeline.config.recipe_files import changed_keys
 from pipeline.runtime.exit_status import DiskFull
+from pipeline.runtime.locking import launch_job_id
 from pipeline.runtime.storage import StorageError
 from pipeline.train.branch import branch_point
 from pipeline.train.branch import set_by_branch
@@ -28,7 +29,6 @@ from pipeline.train.checkpoint import publish
 from pipeline.train.checkpoint import set_aside_names
 from pipeline.train.checkpoint import staging_dir
 from pipeline.train.curriculum import tokens_through
-from pipeline.train.relaunch import job_identity
 from pipeline.train.relaunch import record_relaunch
 from pipeline.train.relaunch import relaunch_from_env
 from pipeline.train.run_folder import cut_metrics_back
@@ -37,6 +37,7 @@ from pipeline.train.run_folder import newest_intact_checkpoint
 from pipeline.train.run_folder import recipe_changes
 from pipeline.train.run_folder import start_fresh_metrics
 from pipeline.train.run_store import RunStore
+from pipeline.train.run_store import committed_steps
 from pipeline.train.run_store import step_url
 
 
@@ -140,6 +141,10 @@ class Checkpointer:
         run folder's metrics afresh when there is none; refuse what cannot be resumed, saying why and what to do."""
         self.relaunch = relaunch_from_env(backend=self.backend)  # every rank: the group's highest counts
         if self.store is not None:  # this node's copy made to hold what the store holds intact
+            if (self.cfg.train.resume == "never" and self.relaunch is None and self.cfg.train.branch_from is None
+                    and committed_steps(self.store.url)):  # refused before anything is fetched or moved
+                raise FileExistsError(f"{self.store.url} already has checkpoints and train.resume=never; choose "
+                                      f"another name= or delete {self.kept_at}")
             t0 = time.perf_counter()
             pulled = self.store.pull_for_resume()
             if pulled is not None and self.backend.is_main:
@@ -202,7 +207,7 @@ class Checkpointer:
         environment of another job (a new job started inside a requeued allocation) do not open a finished run."""
         if self.cfg.train.resume != "never" or branching or self.relaunch is None:
             return
-        mine, theirs = job_identity(), state.get("job")
+        mine, theirs = launch_job_id(), state.get("job")
         if mine != theirs:
             raise FileExistsError(f"{self.run_dir} already has checkpoints and train.resume=never; this process is a "
                                   f"relaunch ({self.relaunch.counters}) of {mine or 'an unnamed job'}, but {newest} "
@@ -264,7 +269,7 @@ class Checkpointer:
         state = {"step": step, "loader": trainer.loader.state_dict(), "recipe": self.cfg.to_dict(),
                  "mlflow_run_id": trainer.tracker_run_id, "info": trainer.info,
                  "skipped_steps": trainer.skipped_steps, "world_size": be.world_size,
-                 "tokens_seen": trainer.tokens_seen, "job": job_identity()}
+                 "tokens_seen": trainer.tokens_seen, "job": launch_job_id()}
         if trainer.spike.on:  # train.spike's window (off: the checkpoint as before)
             state["spike"] = trainer.spike.state_dict()
         for cb in trainer.callbacks:
@@ -320,25 +325,28 @@ class Checkpointer:
         return path
 
     def _publish_to_store(self, step: int, tmp: Path) -> Path:
-        """out_dir on object storage: every rank uploads its share of the staged files, rank 0 uploads the index
-        last (the commit), then each node publishes its copy (pipeline/train/run_store.py)."""
+        """out_dir on object storage: rank 0 marks the upload as grt's, every rank uploads its share of the staged
+        files, rank 0 uploads the run files then the index last (the commit), then each node publishes its copy
+        (pipeline/train/run_store.py)."""
         be, store, tc = self.backend, self.store, self.cfg.train
+        error = None
         if be.is_main:
-            self._agree(step, attempt((tmp / "recipe.yaml").write_text, self.cfg.to_yaml())[1])
-        else:
-            self._agree(step, None)
+            _, error = attempt(lambda: ((tmp / "recipe.yaml").write_text(self.cfg.to_yaml()),
+                                        store.begin_upload(step)))
+        self._agree(step, error)
         digests, error = attempt(store.upload_share, tmp, step)
         self._agree(step, error)
         merged = {k: v for part in be.gather(digests) for k, v in part.items()}
         error = None
         if be.is_main:
-            _, error = attempt(store.commit, tmp, step, merged, tc.keep_checkpoints, set(tc.keep_steps))
+            self.push_run_files()  # the metrics up to this step are on the store before the step is
+            _, error = attempt(store.commit, tmp, step, merged)
         self._agree(step, error)
+        if be.is_main:
+            store.prune(step, tc.keep_checkpoints, set(tc.keep_steps))
         index = {"version": INDEX_VERSION, "files": dict(sorted(merged.items()))}
         path, error = attempt(store.publish_local, tmp, step, index, tc.keep_checkpoints, set(tc.keep_steps))
         self._agree(step, error)
-        if be.is_main:
-            self.push_run_files()
         return path
 
     def push_run_files(self) -> None:

@@ -38,15 +38,6 @@ class Relaunch:
         return f"{self.kind} {self.count}{of}: {where} at step {step} ({self.counters})"
 
 
-def job_identity(environ=os.environ) -> str | None:
-    """The job a relaunch belongs to, recorded in each checkpoint: the SLURM job id (kept across requeues), else
-    torchrun's rendezvous id (kept across restarts; not its default ``none``). None when neither tells."""
-    if environ.get("SLURM_JOB_ID"):
-        return f"slurm job {environ['SLURM_JOB_ID']}"
-    run_id = environ.get("TORCHELASTIC_RUN_ID")
-    return f"torchrun rendezvous {run_id}" if run_id and run_id != "none" else None
-
-
 COUNTS = ("TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS", "SLURM_RESTART_COUNT")
 
 

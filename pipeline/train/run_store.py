@@ -28,6 +28,7 @@ from pathlib import Path
 from pipeline.runtime import storage
 from pipeline.runtime.locking import FALLBACK_FILE
 from pipeline.runtime.locking import LOCK_FILE
+from pipeline.runtime.locking import launch_job_id
 from pipeline.train import faults
 from pipeline.train.checkpoint import INDEX
 from pipeline.train.checkpoint import INDEX_PARTS
@@ -36,6 +37,8 @@ from pipeline.train.checkpoint import STEP_DIR
 
 CHECKPOINTS = "checkpoints"
 LOCAL_ONLY = (LOCK_FILE, FALLBACK_FILE)
+NOT_RUN_FILES = (CHECKPOINTS, "exports")  # the checkpoints travel apart; exports are this node's own outputs
+UPLOADING = ".grt_upload.json"  # written first into a checkpoint folder on the store: grt's own upload
 
 
 def _sha256_file(f: Path) -> str:
@@ -44,6 +47,14 @@ def _sha256_file(f: Path) -> str:
         for block in iter(lambda: fh.read(1 << 24), b""):
             h.update(block)
     return h.hexdigest()
+
+
+def _attempt(fn, *args) -> list[str]:
+    """``fn(*args)``'s problems, or the one it raised as a problem: a rank's failure never skips a collective."""
+    try:
+        return fn(*args)
+    except (OSError, ValueError, storage.StorageError) as e:
+        return [f"{type(e).__name__}: {e}"]
 
 
 def store_steps(url: str) -> dict[int, dict[str, int]]:
@@ -151,15 +162,25 @@ def run_files(local: Path) -> list[Path]:
     """The files of a run folder the store keeps besides its checkpoints (not the lock, not temporary files)."""
     if not local.is_dir():
         return []
-    return [f for f in sorted(local.rglob("*")) if f.is_file() and f.relative_to(local).parts[0] != CHECKPOINTS
-            and f.name not in LOCAL_ONLY and not f.name.startswith(".") and not f.name.endswith(".part")]
+    return [f for f in sorted(local.rglob("*")) if f.is_file() and f.relative_to(local).parts[0] not in
+            NOT_RUN_FILES and f.name not in LOCAL_ONLY and not f.name.startswith(".") and not f.name.endswith(".part")]
 
 
 def fetch_run_files(url: str, local: Path) -> None:
-    """The store's run files into the local copy (the store's version replaces the local one)."""
+    """The store's run files into the local copy. The store's version replaces the local one, except a local file
+    that extends it (metrics.jsonl, restarts.jsonl written past the last upload before a kill: the resume cuts the
+    history back to its step itself)."""
     for name in storage.sizes_under(url):
-        if name.split("/", 1)[0] != CHECKPOINTS and name.rsplit("/", 1)[-1] not in LOCAL_ONLY:
-            storage.download(storage.join(url, name), local / name)
+        if name.split("/", 1)[0] in NOT_RUN_FILES or name.rsplit("/", 1)[-1] in LOCAL_ONLY:
+            continue
+        mine = local / name
+        stored = mine.with_name(f".{mine.name}.{os.getpid()}.stored")
+        storage.download(storage.join(url, name), stored)
+        if mine.is_file() and mine.stat().st_size > stored.stat().st_size and \
+                mine.read_bytes().startswith(stored.read_bytes()):
+            stored.unlink()
+        else:
+            os.replace(stored, mine)
 
 
 def split_url(url: str) -> tuple[str, int | None]:
@@ -176,7 +197,7 @@ def fetch_run(url: str) -> Path:
     (run files and that checkpoint, or the run's newest intact one, each file checked against the index)."""
     run, step = split_url(url)
     steps = [step] if step is not None else list(reversed(committed_steps(run)))
-    local = storage.local_copy(run)
+    local = storage.local_copy(run, reader=True)  # never the copy a training on this node works in
     if not steps:
         raise FileNotFoundError(f"no checkpoint under {url}: expected a run folder on the store (s3://.../NAME) with "
                                 f"checkpoints/step_*/{INDEX}, or one such step folder; train first with out_dir= "
@@ -212,7 +233,7 @@ class RunStore:
 
     @property
     def leads_node(self) -> bool:
-        """The rank that fills and prunes this node's copy (one per node; several on a shared disk are harmless)."""
+        """The rank that fills and prunes this node's copy (one per node: GRT_RUN_CACHE must be node-local)."""
         return self.be.local_rank == 0
 
     # ------------------------------------------------------------------------------------------ resume
@@ -222,33 +243,42 @@ class RunStore:
         be = self.be
         steps = store_steps(self.url)
         committed = [s for s, files in steps.items() if INDEX in files]
-        if be.is_main:  # unfinished uploads (a job killed while saving) past the newest commit: never loadable
-            for s in steps:
-                if s not in committed and (not committed or s > committed[-1]):
-                    storage.remove(step_url(self.url, s))
+        if be.is_main:
+            self.drop_unfinished(steps, keep=None)
         chosen = None
         for step in reversed(committed):
-            problems = (download_checkpoint(step_url(self.url, step), self._local_step(step), steps[step])
-                        if self.leads_node else [])
+            problems = self._fill_local(step, steps[step]) if self.leads_node else []
             if be.all_true(not problems, patient=True):
                 chosen = step
                 break
+            # damaged on the store, or only a node's copy failed? rank 0 reads the objects themselves
+            on_store = _attempt(verify_in_store, step_url(self.url, step), steps[step]) if be.is_main else []
+            if be.all_true(not on_store, patient=True):
+                raise OSError(f"checkpoint {step_url(self.url, step)} is intact on the store, but "
+                              f"{'this node' if problems else 'another node'} could not fetch it"
+                              f"{': ' + '; '.join(problems) if problems else ' (see its error)'}. Fix that node's "
+                              f"disk (its copy of the run: {self.local}, under {storage.RUN_CACHE_ENV}) or network, "
+                              f"then run the same command again")
             if be.is_main:
                 moved = set_aside_in_store(self.url, step)
-                what = "; ".join(problems) or "see another rank"
-                print(f"warning: checkpoint step {step} on the store is damaged ({what}); moved it aside to {moved} "
-                      f"and trying the next older one", file=sys.stderr, flush=True)
+                print(f"warning: checkpoint step {step} on the store is damaged ({'; '.join(on_store)}); moved it "
+                      f"aside to {moved} and trying the next older one", file=sys.stderr, flush=True)
             if self.leads_node:
                 shutil.rmtree(self._local_step(step), ignore_errors=True)
             be.barrier(patient=True)
+        error = None
         if self.leads_node:
-            fetch_run_files(self.url, self.local)
+            try:
+                fetch_run_files(self.url, self.local)
+            except (OSError, storage.StorageError) as e:
+                error = e
             ckpts = self.local / CHECKPOINTS
             for c in (list(ckpts.iterdir()) if ckpts.is_dir() else []):
                 m = STEP_DIR.match(c.name)
                 if (m and int(m.group(1)) != chosen) or c.name.startswith(".tmp_step_"):
                     shutil.rmtree(c, ignore_errors=True)  # the store does not hold it intact (or it is a staging)
-        be.barrier(patient=True)
+        if not be.all_true(error is None, patient=True):
+            raise error or OSError(f"another node could not fetch the run files of {self.url} (see its error)")
         aside = [n for n in storage.listdir(storage.join(self.url, CHECKPOINTS)) if n.startswith("damaged_step_")]
         if chosen is None and aside:  # a relaunch after "every checkpoint is damaged" must not quietly start over
             where = storage.join(self.url, CHECKPOINTS)
@@ -257,21 +287,56 @@ class RunStore:
                              f"{where} to train this one from scratch")
         return chosen
 
+    def _fill_local(self, step: int, stored: dict[str, int] | None = None) -> list[str]:
+        return _attempt(download_checkpoint, step_url(self.url, step), self._local_step(step), stored)
+
+    def drop_unfinished(self, steps: dict[int, dict[str, int]], keep: int | None) -> None:
+        """Rank 0: remove the checkpoint folders on the store that grt began to upload (its marker is there) and
+        never committed, but ``keep`` (the one being uploaded); a folder without index and marker is not grt's
+        upload: it is named, never removed."""
+        for s, files in steps.items():
+            if INDEX in files or s == keep:
+                continue
+            where = step_url(self.url, s)
+            if UPLOADING in files:
+                storage.remove(where)
+                print(f"note: removed {where}: an upload of a checkpoint that a kill interrupted (no {INDEX})",
+                      file=sys.stderr, flush=True)
+            elif keep is None:
+                print(f"warning: ignored {where}: it has no {INDEX} and was not uploaded by grt. If it is a "
+                      f"checkpoint you trust, copy it to a disk, index it there (`grt checkpoint verify DIR --adopt`) "
+                      f"and upload it with its index", file=sys.stderr, flush=True)
+
     def complete_local(self, step: int) -> None:
         """Every rank: each node's copy of the checkpoint of ``step`` made whole (a node-local disk holds only the
         files its own ranks wrote) before it is loaded again (train.spike's rollback)."""
-        problems = download_checkpoint(step_url(self.url, step), self._local_step(step)) if self.leads_node else []
+        problems = self._fill_local(step) if self.leads_node else []
         if not self.be.all_true(not problems, patient=True):
-            raise ValueError(f"the checkpoint {step_url(self.url, step)} on the store is damaged: "
-                             f"{'; '.join(problems) or 'see another rank'}")
+            raise ValueError(f"the checkpoint {step_url(self.url, step)} could not be fetched from the store: "
+                             f"{'; '.join(problems) or 'see another node'}")
 
     # ------------------------------------------------------------------------------------------ save
+    def begin_upload(self, step: int) -> None:
+        """Rank 0, before any rank uploads a file of ``step``'s checkpoint: the marker that makes the folder grt's
+        own upload (removable until its index commits it)."""
+        storage.write_text(storage.join(step_url(self.url, step), UPLOADING),
+                           json.dumps({"step": step, "job": launch_job_id(), "pid": os.getpid()}))
+
     def upload_share(self, staging: Path, step: int) -> dict:
         """Every rank: upload its share of the staged files (each file once: the ranks that see it take turns) and
         return their digests {name: {bytes, sha256}}."""
-        mine = {f.relative_to(staging).as_posix(): f.stat().st_size for f in sorted(staging.rglob("*"))
-                if f.is_file() and f.name != INDEX and INDEX_PARTS not in f.relative_to(staging).parts}
-        seen = self.be.gather(mine)
+        try:
+            mine = ({f.relative_to(staging).as_posix(): f.stat().st_size for f in sorted(staging.rglob("*"))
+                     if f.is_file() and f.name != INDEX and INDEX_PARTS not in f.relative_to(staging).parts}
+                    if staging.is_dir() else {})  # (DDP's full format: rank 0 alone writes)
+            error = None
+        except OSError as e:
+            mine, error = None, e
+        seen = self.be.gather(mine)  # every rank, whatever happened above
+        if error is not None:
+            raise error
+        if any(files is None for files in seen):
+            raise OSError(f"another rank could not list its part of the checkpoint of step {step} (see its error)")
         owners: dict[str, list[int]] = {}
         for rank, files in enumerate(seen):
             for name in files:
@@ -287,30 +352,37 @@ class RunStore:
             faults.after_upload(step, len(digests))
         return digests
 
-    def commit(self, staging: Path, step: int, digests: dict, keep: int, keep_steps) -> None:
-        """Rank 0, once every rank's share is uploaded: the index into the staged folder and onto the store, last;
-        then the store's checkpoints beyond ``keep`` (never ``keep_steps``) and unfinished uploads removed."""
+    def commit(self, staging: Path, step: int, digests: dict) -> None:
+        """Rank 0, once every rank's share is uploaded: the index into the staged folder and onto the store, last."""
         index = {"version": INDEX_VERSION, "files": dict(sorted(digests.items()))}
         (staging / INDEX).write_text(json.dumps(index, indent=1))
         storage.upload(staging / INDEX, storage.join(step_url(self.url, step), INDEX))
-        steps = store_steps(self.url)
-        done = [s for s, files in steps.items() if INDEX in files and s <= step and s not in keep_steps]
-        for s in done[:-keep] + [s for s, files in steps.items() if INDEX not in files and s != step]:
-            storage.remove(storage.join(step_url(self.url, s), INDEX))  # the marker first: never half an intact one
-            storage.remove(step_url(self.url, s))
 
-    def publish_local(self, staging: Path, step: int, index: dict | None, keep: int, keep_steps) -> Path:
-        """The node leaders: the staged folder renamed ``step_N`` in the node's copy, with the committed index; the
-        local copies beyond ``keep`` dropped (the store holds them)."""
+    def prune(self, step: int, keep: int, keep_steps) -> None:
+        """Rank 0, after the commit of ``step``: the store's checkpoints beyond ``keep`` (never ``keep_steps``) and
+        grt's unfinished uploads removed. A failure is a warning: ``step`` is committed, training goes on."""
+        try:
+            steps = store_steps(self.url)
+            done = [s for s, files in steps.items() if INDEX in files and s <= step and s not in keep_steps]
+            for s in done[:-keep]:
+                storage.remove(storage.join(step_url(self.url, s), INDEX))  # the marker first: never half an intact
+                storage.remove(step_url(self.url, s))
+            self.drop_unfinished(steps, keep=step)
+        except (OSError, storage.StorageError) as e:
+            print(f"warning: pruning the checkpoints of {self.url} failed ({e}); step {step} is saved, the next save "
+                  f"tries again", file=sys.stderr, flush=True)
+
+    def publish_local(self, staging: Path, step: int, index: dict, keep: int, keep_steps) -> Path:
+        """The node leaders: the staged folder renamed ``step_N`` in the node's copy (made, with only the index, on
+        a node that wrote no file of it: its newest checkpoint is the job's, the files come when loaded), with the
+        committed index; the local copies beyond ``keep`` dropped (the store holds them)."""
         final = self._local_step(step)
-        if self.leads_node and staging.is_dir():
-            shutil.rmtree(final, ignore_errors=True)
-            try:
+        if self.leads_node:
+            if staging.is_dir():
+                shutil.rmtree(final, ignore_errors=True)
                 os.replace(staging, final)
-            except OSError:  # another node's leader on the same (shared) disk published it
-                pass
-            if index is not None and final.is_dir():
-                (final / INDEX).write_text(json.dumps(index, indent=1))
+            final.mkdir(parents=True, exist_ok=True)
+            (final / INDEX).write_text(json.dumps(index, indent=1))
             local = sorted(int(STEP_DIR.match(c.name).group(1)) for c in (self.local / CHECKPOINTS).iterdir()
                            if STEP_DIR.match(c.name))
             for s in [s for s in local if s <= step and s not in keep_steps][:-keep]:
