@@ -116,12 +116,16 @@ class FolderLock:
             return self
         if self.remote:  # no flock on an object store: the exclusive-create lock (a conditional PUT)
             self._acquire_fallback()
-            if self.took_over:
-                print(f"note: took over the {self.what} {self.folder} from {describe_holder(self.took_over)}, "
-                      f"which ended without releasing it", file=sys.stderr, flush=True)
-            self._count = 1
-            _held[self.folder] = self
-            return self
+        else:
+            self._acquire_flock()
+        if self.took_over:
+            print(f"note: took over the {self.what} {self.folder} from a job that ended without releasing it: "
+                  f"{describe_holder(self.took_over)}", file=sys.stderr, flush=True)
+        self._count = 1
+        _held[self.folder] = self
+        return self
+
+    def _acquire_flock(self) -> None:
         path = self.folder / LOCK_FILE
         for _ in range(10):  # again while the file we locked was removed or replaced meanwhile (not the lock then)
             self.folder.mkdir(parents=True, exist_ok=True)
@@ -160,12 +164,6 @@ class FolderLock:
             os.lseek(fd, 0, os.SEEK_SET)
             os.write(fd, (json.dumps(_holder_record()) + "\n").encode())
             os.fsync(fd)
-        if self.took_over:
-            print(f"note: took over the {self.what} {self.folder} from a job that ended without releasing it: "
-                  f"{describe_holder(self.took_over)}", file=sys.stderr, flush=True)
-        self._count = 1
-        _held[self.folder] = self
-        return self
 
     def _acquire_fallback(self) -> None:
         path = storage.join(self.folder, FALLBACK_FILE)

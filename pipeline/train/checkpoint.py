@@ -139,7 +139,13 @@ INDEX = "index.json"  # a checkpoint's integrity index, written last
 INDEX_VERSION = 1
 
 
-def _sha256_and_size(f: Path, sync: bool = False) -> tuple[str, int]:
+def size_problem(name: str, actual: int, size: int) -> str:
+    """A file of a checkpoint whose size is not the index's, in words."""
+    return (f"{name} has {actual:,} bytes, the index says {size:,} ("
+            f"{'truncated' if actual < size else 'grown'} after the save)")
+
+
+def sha256_and_size(f: Path, sync: bool = False) -> tuple[str, int]:
     h, size = hashlib.sha256(), 0
     with open(f, "rb") as fh:
         for block in iter(lambda: fh.read(1 << 24), b""):
@@ -176,7 +182,7 @@ def hash_share(folder: Path, rank: int, world: int) -> None:
     """Every rank of a save: sync and hash its share of the staged files (every ``world``-th, from ``rank``) and leave
     the digests for rank 0's index, so that no rank reads the whole checkpoint alone."""
     mine = _files_of(folder)[rank::world]
-    digests = _parallel(lambda f: _sha256_and_size(f, sync=True), mine)
+    digests = _parallel(lambda f: sha256_and_size(f, sync=True), mine)
     parts = folder / INDEX_PARTS
     parts.mkdir(exist_ok=True)
     out = {f.relative_to(folder).as_posix(): {"bytes": size, "sha256": sha} for f, (sha, size) in zip(mine, digests)}
@@ -205,7 +211,7 @@ def write_index(folder: Path) -> dict:
                                 f"({', '.join(sorted(unseen)[:5])}): the checkpoint folder must be on a filesystem "
                                 f"every rank shares")
     todo = [f for f in paths if known.get(f.relative_to(folder).as_posix(), {}).get("bytes") != f.stat().st_size]
-    for f, (sha, size) in zip(todo, _parallel(lambda f: _sha256_and_size(f, sync=True), todo)):
+    for f, (sha, size) in zip(todo, _parallel(lambda f: sha256_and_size(f, sync=True), todo)):
         known[f.relative_to(folder).as_posix()] = {"bytes": size, "sha256": sha}
     files = {f.relative_to(folder).as_posix(): known[f.relative_to(folder).as_posix()] for f in paths}
     index = {"version": INDEX_VERSION, "files": files}
@@ -244,11 +250,10 @@ def verify_checkpoint(folder: Path, checksums: bool = True, share: tuple[int, in
             continue
         actual = f.stat().st_size
         if actual != size:
-            problems.append(f"{name} has {actual:,} bytes, the index says {size:,} ("
-                            f"{'truncated' if actual < size else 'grown'} after the save)")
+            problems.append(size_problem(name, actual, size))
         elif checksums and i % world == rank:
             to_hash.append((name, f, sha))
-    for (name, _, sha), (actual_sha, _) in zip(to_hash, _parallel(lambda e: _sha256_and_size(e[1]), to_hash)):
+    for (name, _, sha), (actual_sha, _) in zip(to_hash, _parallel(lambda e: sha256_and_size(e[1]), to_hash)):
         if actual_sha != sha:
             problems.append(f"{name}'s sha256 differs from the index (its bytes changed after the save)")
     return problems

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from pipeline.config.loading import with_current_keys
 from pipeline.config.recipe_files import changed_keys
+from pipeline.runtime import storage
 from pipeline.runtime.exit_status import DiskFull
 from pipeline.runtime.locking import launch_job_id
 from pipeline.runtime.storage import StorageError
@@ -108,7 +109,7 @@ class Checkpointer:
     @property
     def kept_at(self) -> str:
         """Where the run's checkpoints are kept, as said to users: on object storage, the store's folder."""
-        return step_url(self.store.url, 0).rpartition("/")[0] if self.store else str(self.dir)
+        return storage.join(self.store.url, "checkpoints") if self.store else str(self.dir)
 
     def folder(self, step: int) -> Path:
         return self.dir / f"step_{step:08d}"
@@ -146,7 +147,7 @@ class Checkpointer:
                 raise FileExistsError(f"{self.store.url} already has checkpoints and train.resume=never; choose "
                                       f"another name= or delete {self.kept_at}")
             t0 = time.perf_counter()
-            pulled = self.store.pull_for_resume()
+            pulled = self.store.pull_for_resume()  # (checked file by file: not verified again below)
             if pulled is not None and self.backend.is_main:
                 print(f"resume: checkpoint step {pulled} of {self.store.url} on this node's copy {self.run_dir} in "
                       f"{time.perf_counter() - t0:.1f} s (each file checked against its index)", flush=True)
@@ -166,8 +167,12 @@ class Checkpointer:
         if self.cfg.train.resume == "never" and not branching and self.relaunch is None:
             raise FileExistsError(f"{self.store.url if self.store else self.run_dir} already has checkpoints and "
                                   f"train.resume=never; choose another name= or delete {self.kept_at}")
-        newest, unindexed = ((branch_point(self.cfg, self.backend), []) if branching else
-                             newest_intact_checkpoint(self.dir, self.run_dir, self.backend))
+        if branching:
+            newest, unindexed = branch_point(self.cfg, self.backend), []
+        elif self.store is not None and pulled is not None:  # the copy holds just the checkpoint the pull checked
+            newest, unindexed = self.folder(pulled), []
+        else:
+            newest, unindexed = newest_intact_checkpoint(self.dir, self.run_dir, self.backend)
         if newest is None and unindexed:
             raise ValueError(f"no checkpoint under {self.dir} can be verified: {len(unindexed)} have no "
                              f"{INDEX} ({', '.join(c.name for c in unindexed)}; see the warnings). If they were "

@@ -140,7 +140,7 @@ def cmd_verify(args) -> int:
 def verify_store_run(args) -> int:
     """`grt checkpoint verify s3://...`: the objects of every checkpoint of a run on the store (or of one) against
     its index, read from the store itself."""
-    from pipeline.train.checkpoint import STEP_DIR
+    from pipeline.train.run_store import split_url
     from pipeline.train.run_store import step_url
     from pipeline.train.run_store import store_steps
     from pipeline.train.run_store import verify_in_store
@@ -149,13 +149,9 @@ def verify_store_run(args) -> int:
         raise ValueError("--adopt indexes checkpoints on a filesystem only; a checkpoint on object storage always has "
                          "its index (an upload without one never finished): drop --adopt")
     url = args.path.rstrip("/")
-    leaf = url.rpartition("/")[2]
-    if STEP_DIR.match(leaf):
-        run, steps = url.rpartition("/")[0].rpartition("/")[0], [int(STEP_DIR.match(leaf).group(1))]
-        found = {steps[0]: storage.sizes_under(url)}
-    else:
-        run, found = url, store_steps(url)
-        steps = list(found)
+    run, step = split_url(url)
+    found = {step: storage.sizes_under(url)} if step is not None else store_steps(url)
+    steps = list(found)
     if not steps or not any(found.values()):
         raise FileNotFoundError(f"no checkpoint under {url}: expected a run folder on the store (s3://.../NAME) or "
                                 f"one of its checkpoints/step_* folders")

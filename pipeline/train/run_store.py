@@ -34,19 +34,13 @@ from pipeline.train.checkpoint import INDEX
 from pipeline.train.checkpoint import INDEX_PARTS
 from pipeline.train.checkpoint import INDEX_VERSION
 from pipeline.train.checkpoint import STEP_DIR
+from pipeline.train.checkpoint import sha256_and_size
+from pipeline.train.checkpoint import size_problem
 
 CHECKPOINTS = "checkpoints"
 LOCAL_ONLY = (LOCK_FILE, FALLBACK_FILE)
 NOT_RUN_FILES = (CHECKPOINTS, "exports")  # the checkpoints travel apart; exports are this node's own outputs
 UPLOADING = ".grt_upload.json"  # written first into a checkpoint folder on the store: grt's own upload
-
-
-def _sha256_file(f: Path) -> str:
-    h = hashlib.sha256()
-    with open(f, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 24), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _attempt(fn, *args) -> list[str]:
@@ -96,8 +90,7 @@ def verify_in_store(ckpt_url: str, files: dict[str, int] | None = None, checksum
         if name not in files:
             problems.append(f"{name} is missing")
         elif files[name] != e["bytes"]:
-            problems.append(f"{name} has {files[name]:,} bytes, the index says {e['bytes']:,} ("
-                            f"{'truncated' if files[name] < e['bytes'] else 'grown'} after the save)")
+            problems.append(size_problem(name, files[name], e["bytes"]))
         elif checksums:
             h = hashlib.sha256()
             with storage.open_file(storage.join(ckpt_url, name)) as fh:
@@ -128,17 +121,17 @@ def download_checkpoint(ckpt_url: str, local: Path, stored: dict[str, int] | Non
     problems = []
     for name, e in entries.items():
         f = local / name
-        if f.is_file() and f.stat().st_size == e["bytes"] and _sha256_file(f) == e["sha256"]:
+        if f.is_file() and f.stat().st_size == e["bytes"] and sha256_and_size(f)[0] == e["sha256"]:
             continue
         try:
             storage.download(storage.join(ckpt_url, name), f)
         except FileNotFoundError:
             problems.append(f"{name} is missing")
             continue
-        if f.stat().st_size != e["bytes"]:
-            problems.append(f"{name} has {f.stat().st_size:,} bytes, the index says {e['bytes']:,} ("
-                            f"{'truncated' if f.stat().st_size < e['bytes'] else 'grown'} after the save)")
-        elif _sha256_file(f) != e["sha256"]:
+        sha, size = sha256_and_size(f)
+        if size != e["bytes"]:
+            problems.append(size_problem(name, size, e["bytes"]))
+        elif sha != e["sha256"]:
             problems.append(f"{name}'s sha256 differs from the index (its bytes changed after the save)")
     if not problems:
         (local / INDEX).write_text(json.dumps({"version": INDEX_VERSION, "files": entries}, indent=1))
@@ -347,7 +340,8 @@ class RunStore:
             if ranks[i % len(ranks)] != self.be.rank:
                 continue
             f = staging / name
-            digests[name] = {"bytes": f.stat().st_size, "sha256": _sha256_file(f)}
+            sha, size = sha256_and_size(f)
+            digests[name] = {"bytes": size, "sha256": sha}
             storage.upload(f, storage.join(target, name))
             faults.after_upload(step, len(digests))
         return digests
